@@ -1,0 +1,164 @@
+"""Per-example gradient factors: one variable's per-microbatch gradients, kept factored.
+
+A factor holds what one op needs to reproduce its variable's per-microbatch gradients without
+materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
+
+* `Outer`  (MatMul, Conv2D): g_m = Σ_t A[m, t]ᵀ D[m, t], rows t = an example's positions.
+* `RowSum` (BiasAdd):       g_m = Σ_t D[m, t].
+* `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
+* `Dense`  (exact fallback): the materialized tensor G[m].
+
+Each answers the three questions an algorithm asks: per-microbatch squared norms, a weighted sum
+Σ_m w_m g_m, and the materialized g_m for a slice of microbatches. Factors know nothing of
+clipping or noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+# Materialize an `Outer` factor for norms only while one example's gradient is this small and
+# materializing costs fewer flops than the Gram ("ghost") form.
+_MAX_MATERIALIZED_ELEMENTS = 1 << 20
+
+
+def _sum_sq(x: tf.Tensor) -> tf.Tensor:
+  """Sum of squares over all axes but the first."""
+  return tf.reduce_sum(tf.reshape(tf.square(x), [tf.shape(x)[0], -1]), axis=1)
+
+
+@dataclasses.dataclass
+class Outer:
+  """g_m = reshape(Σ_t A[m,t]ᵀ D[m,t], shape); A: (M, T, K), D: (M, T, O)."""
+
+  a: tf.Tensor
+  d: tf.Tensor
+  shape: tuple[int, ...]
+  _materialized: Optional[tf.Tensor] = None
+
+  rule = "outer"
+
+  def _prefers_materialized(self) -> bool:
+    t, k, o = self.a.shape[1], self.a.shape[2], self.d.shape[2]
+    if t is None:
+      return k * o <= _MAX_MATERIALIZED_ELEMENTS
+    return t > 1 and t * k * o <= t * t * (k + o) and k * o <= _MAX_MATERIALIZED_ELEMENTS
+
+  def _full(self) -> tf.Tensor:
+    if self._materialized is None:
+      self._materialized = tf.einsum("mtk,mto->mko", self.a, self.d)
+    return self._materialized
+
+  def squared_norms(self) -> tf.Tensor:
+    if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²
+      return _sum_sq(self.a) * _sum_sq(self.d)
+    if self._prefers_materialized():
+      return _sum_sq(self._full())
+    # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s).
+    gram_a = tf.einsum("mtk,msk->mts", self.a, self.a)
+    gram_d = tf.einsum("mto,mso->mts", self.d, self.d)
+    return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    if self._materialized is not None:
+      return tf.reshape(tf.tensordot(w, self._materialized, 1), self.shape)
+    return tf.reshape(tf.einsum("mtk,mto->ko", self.a, self.d * w[:, None, None]), self.shape)
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    if self._materialized is not None:
+      g = self._materialized[start:stop]
+    else:
+      g = tf.einsum("mtk,mto->mko", self.a[start:stop], self.d[start:stop])
+    return tf.reshape(g, (-1, *self.shape))
+
+
+@dataclasses.dataclass
+class RowSum:
+  """g_m = reshape(Σ_t D[m,t], shape); D: (M, T, O)."""
+
+  d: tf.Tensor
+  shape: tuple[int, ...]
+
+  rule = "rowsum"
+
+  def squared_norms(self) -> tf.Tensor:
+    return _sum_sq(tf.reduce_sum(self.d, axis=1))
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(tf.einsum("mto,m->o", self.d, w), self.shape)
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    g = tf.reduce_sum(self.d[start:stop], axis=1)
+    return tf.reshape(g, (-1, *self.shape))
+
+
+@dataclasses.dataclass
+class Gather:
+  """g_m = Σ_t onehot(I[m,t]) ⊗ D[m,t]; I: (M, T) row ids, D: (M, T, O), table (V, O)."""
+
+  ids: tf.Tensor
+  d: tf.Tensor
+  shape: tuple[int, ...]
+
+  rule = "gather"
+
+  def squared_norms(self) -> tf.Tensor:
+    same_row = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.d.dtype)
+    gram_d = tf.einsum("mto,mso->mts", self.d, self.d)
+    return tf.reduce_sum(same_row * gram_d, axis=[1, 2])
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    rows = tf.reshape(self.d * w[:, None, None], [-1, self.shape[-1]])
+    return tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0])
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    ids, d = self.ids[start:stop], self.d[start:stop]
+    count = tf.shape(ids)[0]
+    vocab = self.shape[0]
+    offsets = ids + tf.range(count, dtype=ids.dtype)[:, None] * vocab
+    rows = tf.math.unsorted_segment_sum(
+        tf.reshape(d, [-1, self.shape[-1]]), tf.reshape(offsets, [-1]), count * vocab)
+    return tf.reshape(rows, (count, *self.shape))
+
+
+@dataclasses.dataclass
+class Dense:
+  """The materialized per-microbatch gradients G: (M, *shape) (the exact fallback)."""
+
+  g: tf.Tensor
+
+  rule = "fallback"
+
+  def squared_norms(self) -> tf.Tensor:
+    return _sum_sq(self.g)
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    return tf.tensordot(w, self.g, 1)
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    return self.g[start:stop]
+
+
+Factor = Outer | RowSum | Gather | Dense
+
+
+def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:
+  """One factor for a variable read by several ops (a shared layer, an unrolled RNN cell).
+
+  Contributions of one kind stack along the row axis t (the per-example gradient is a sum over
+  rows either way); mixed kinds are materialized and summed.
+  """
+  if len(factors) == 1:
+    return factors[0]
+  kinds = {type(f) for f in factors}
+  if kinds == {Outer} and len({(f.a.shape[2], f.d.shape[2]) for f in factors}) == 1:
+    return Outer(tf.concat([f.a for f in factors], 1), tf.concat([f.d for f in factors], 1), shape)
+  if kinds == {RowSum}:
+    return RowSum(tf.concat([f.d for f in factors], 1), shape)
+  if kinds == {Gather}:
+    return Gather(tf.concat([f.ids for f in factors], 1), tf.concat([f.d for f in factors], 1),
+                  shape)
+  return Dense(tf.add_n([f.materialize(0, None) for f in factors]))

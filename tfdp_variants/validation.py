@@ -1,0 +1,78 @@
+"""Checks that stop a run early, with the fix in the message, instead of training without privacy."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import tensorflow as tf
+
+# Layers whose output for one example depends on the other examples of the batch.
+MIXING_LAYERS: tuple[type, ...] = (
+    tf.keras.layers.BatchNormalization,
+    tf.keras.layers.experimental.SyncBatchNormalization,
+    tf.compat.v1.keras.layers.BatchNormalization,
+)
+
+
+def check_model(model: tf.keras.layers.Layer) -> None:
+  """Raises ValueError if a layer of `model` mixes examples (per-example privacy breaks)."""
+  for layer in [model, *model.submodules]:
+    if isinstance(layer, MIXING_LAYERS):
+      raise ValueError(
+          f"Layer '{layer.name}' ({type(layer).__name__}) mixes the examples of a batch: its "
+          "output for one example depends on the others through batch statistics, so "
+          "per-example gradients, and the privacy guarantee with them, are undefined. Replace "
+          "it with tf.keras.layers.LayerNormalization or GroupNormalization, or remove it.")
+
+
+def training_model() -> Optional[tf.keras.Model]:
+  """The Keras model whose `train_step` is on the call stack, if any (trace time only)."""
+  frame = inspect.currentframe()
+  while frame is not None:
+    owner = frame.f_locals.get("self")
+    if frame.f_code.co_name == "train_step" and isinstance(owner, tf.keras.Model):
+      return owner
+    frame = frame.f_back
+  return None
+
+
+def check_per_example_loss(loss: tf.Tensor) -> None:
+  """Raises ValueError for a scalar loss: per-example losses are needed."""
+  if loss.shape.rank == 0:
+    raise ValueError(
+        "DP optimizers need one loss per example, but the loss is a scalar (already averaged "
+        "over the batch). Build the loss with reduction=\"none\", e.g. "
+        "tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=\"none\").")
+
+
+def check_microbatches(loss: tf.Tensor, num_microbatches: int) -> list[tf.Operation]:
+  """Checks that the batch splits into `num_microbatches`; statically if it can, else in-graph."""
+  if not isinstance(num_microbatches, int) or num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be a positive int or None, got {num_microbatches!r}.")
+  message = (f"The batch size must be a multiple of num_microbatches={num_microbatches}. Choose a "
+             "batch size divisible by it (and drop_remainder=True in tf.data, or a dataset size "
+             "that is a multiple of the batch size), or set num_microbatches=None (one per example).")
+  batch = loss.shape[0]
+  if batch is not None:
+    if batch % num_microbatches:
+      raise ValueError(f"{message} Got a batch of {batch}.")
+    return []
+  return [tf.debugging.assert_equal(tf.shape(loss)[0] % num_microbatches, 0, message=message)]
+
+
+def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:
+  """Raises ValueError for C ≤ 0 or σ < 0 (or non-finite values)."""
+  if not (isinstance(l2_norm_clip, (int, float)) and 0 < l2_norm_clip < float("inf")):
+    raise ValueError(f"l2_norm_clip must be a finite number > 0, got {l2_norm_clip!r}.")
+  if not (isinstance(noise_multiplier, (int, float)) and 0 <= noise_multiplier < float("inf")):
+    raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r} "
+                     "(0 means no noise and no privacy).")
+
+
+def assert_finite(norms: tf.Tensor) -> tf.Tensor:
+  """`norms`, after checking at run time that every per-example gradient norm is finite."""
+  return tf.debugging.assert_all_finite(
+      norms, "Non-finite per-example gradient (NaN or Inf): the step is refused rather than "
+      "applied without a bounded sensitivity. Lower the learning rate, check the inputs for "
+      "NaN, or use a numerically stable loss (from_logits=True).")
