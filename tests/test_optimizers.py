@@ -1,0 +1,200 @@
+"""DP-SGD optimizers: against TF Privacy, noise statistics, errors, Keras conventions."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras
+
+import tfdp_variants
+
+L = tf.keras.layers
+B = 8
+
+
+def _loss():
+  return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+
+def _model(seed=0):
+  tf.keras.utils.set_random_seed(seed)
+  return tf.keras.Sequential([
+      L.Input((6, 6, 1)), L.Conv2D(3, 3, activation="relu"), L.Flatten(),
+      L.Dense(5, activation="tanh"), L.Dense(3)])
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  return rng.normal(size=(B, 6, 6, 1)).astype("float32") * 3, rng.integers(0, 3, B)
+
+
+def _one_step(optimizer, x, y, seed=0, **compile_kwargs):
+  model = _model(seed)
+  model.compile(optimizer=optimizer, loss=_loss(), **compile_kwargs)
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  return model
+
+
+@pytest.mark.parametrize("num_microbatches", [None, 4])
+@pytest.mark.parametrize("ours,theirs", [
+    (tfdp_variants.DPSGD, dp_optimizer_keras.DPKerasSGDOptimizer),
+    (tfdp_variants.DPAdam, dp_optimizer_keras.DPKerasAdamOptimizer),
+])
+def test_noiseless_step_equals_tf_privacy(ours, theirs, num_microbatches):
+  x, y = _data()
+  args = dict(l2_norm_clip=0.3, noise_multiplier=0.0, num_microbatches=num_microbatches,
+              learning_rate=0.5)
+  got = _one_step(ours(**args), x, y)
+  want = _one_step(theirs(**args), x, y)
+  moved = False
+  # Adam's first step is about lr·sign(g): float rounding in g shows up at ~1e-5 of lr.
+  for g, w, w0 in zip(got.get_weights(), want.get_weights(), _model().get_weights()):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-5)
+    moved |= not np.allclose(w, w0)
+  assert moved
+
+
+def test_clipping_is_active_in_comparison():
+  """The clip bound used above binds: a larger bound changes the update."""
+  x, y = _data()
+  small = _one_step(tfdp_variants.DPSGD(0.3, 0.0, learning_rate=0.5), x, y)
+  large = _one_step(tfdp_variants.DPSGD(1e6, 0.0, learning_rate=0.5), x, y)
+  assert not np.allclose(small.get_weights()[2], large.get_weights()[2])
+
+
+def test_noise_std_is_sigma_c_over_m():
+  sigma, clip, m = 1.7, 0.6, 4
+  opt = tfdp_variants.DPSGD(clip, sigma, num_microbatches=m, learning_rate=1.0)
+  var = tf.Variable(tf.zeros([40, 50]))
+  x = tf.ones([B, 40])
+
+  @tf.function
+  def noise():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.matmul(x, var), axis=1) * 0.0  # Zero gradients: only noise.
+    return opt.compute_gradients(loss, [var], tape)[0][0]
+
+  draws = np.concatenate([noise().numpy().ravel() for _ in range(5)])
+  expected = sigma * clip / m
+  n = draws.size
+  assert abs(draws.mean()) < 4 * expected / np.sqrt(n)
+  assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * n)
+
+
+def test_noise_is_added_to_clipped_sum():
+  """With noise on, the step differs from the noiseless one by an amount of the right size."""
+  x, y = _data()
+  base = _one_step(tfdp_variants.DPSGD(0.3, 0.0, learning_rate=1.0), x, y)
+  noisy = _one_step(tfdp_variants.DPSGD(0.3, 50.0, learning_rate=1.0), x, y)
+  diff = np.concatenate([(a - b).ravel() for a, b in zip(noisy.get_weights(),
+                                                          base.get_weights())])
+  np.testing.assert_allclose(diff.std(), 50.0 * 0.3 / B, rtol=0.2)
+
+
+def test_eager_equals_graph():
+  x, y = _data()
+  args = dict(l2_norm_clip=0.3, noise_multiplier=0.0, num_microbatches=4, learning_rate=0.5)
+  graph = _one_step(tfdp_variants.DPAdam(**args), x, y)
+  eager = _one_step(tfdp_variants.DPAdam(**args), x, y, run_eagerly=True)
+  for g, e in zip(graph.get_weights(), eager.get_weights()):
+    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_takes_the_fast_path():
+  x, y = _data()
+  opt = tfdp_variants.DPAdam(1.0, 1.0)
+  _one_step(opt, x, y)
+  assert opt.per_example_rules == ("outer", "rowsum") * 3
+
+
+def test_guarantee_and_factory():
+  assert tfdp_variants.DPAdam.privacy_guarantee == "certified"
+  assert issubclass(tfdp_variants.DPRMSprop, tf.keras.optimizers.RMSprop)
+  assert issubclass(tfdp_variants.DPAdagrad, tf.keras.optimizers.Adagrad)
+  assert tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adam) is tfdp_variants.DPAdam
+  legacy = tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.legacy.SGD)
+  x, y = _data()
+  args = dict(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.5)
+  for a, b in zip(_one_step(legacy(**args), x, y).get_weights(),
+                  _one_step(tfdp_variants.DPSGD(**args), x, y).get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(TypeError, match="Keras optimizer class"):
+    tfdp_variants.make_dp_optimizer_class(dict)
+
+
+def test_config_round_trip_and_model_save(tmp_path):
+  opt = tfdp_variants.DPRMSprop(l2_norm_clip=1.5, noise_multiplier=0.7, num_microbatches=4,
+                                learning_rate=0.01)
+  clone = tfdp_variants.DPRMSprop.from_config(opt.get_config())
+  assert (clone.l2_norm_clip, clone.noise_multiplier, clone.num_microbatches) == (1.5, 0.7, 4)
+  x, y = _data()
+  model = _one_step(opt, x, y)
+  for path in [str(tmp_path / "model.keras"), str(tmp_path / "saved_model")]:
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    assert type(loaded.optimizer).__name__ == "DPRMSprop"
+    assert loaded.optimizer.get_config()["noise_multiplier"] == 0.7
+    loaded.fit(x, y, batch_size=B, verbose=0)
+
+
+# Errors: early, clear, naming the fix.
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(l2_norm_clip=0.0, noise_multiplier=1.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=-1.0, noise_multiplier=1.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=1.0, noise_multiplier=-0.1), "noise_multiplier"),
+    (dict(l2_norm_clip=1.0, noise_multiplier=1.0, num_microbatches=0), "num_microbatches"),
+])
+def test_bad_hyperparameters(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tfdp_variants.DPAdam(**kwargs)
+
+
+def test_batch_normalization_is_refused():
+  model = tf.keras.Sequential([L.Input((4,)), L.Dense(3), L.BatchNormalization(), L.Dense(2)])
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0), loss=_loss())
+  with pytest.raises(ValueError, match="BatchNormalization.*mixes the examples"):
+    model.fit(np.ones((4, 4)), np.zeros(4), verbose=0)
+  with pytest.raises(ValueError, match="LayerNormalization"):
+    tfdp_variants.per_example_gradients(model, _loss(), np.ones((4, 4)), np.zeros(4))
+
+
+def test_scalar_loss_is_refused():
+  model = _model()
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0),
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  x, y = _data()
+  with pytest.raises(ValueError, match='reduction="none"'):
+    model.fit(x, y, verbose=0)
+
+
+def test_indivisible_batch_is_refused():
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0, num_microbatches=3), loss=_loss())
+  with pytest.raises(ValueError, match="multiple of num_microbatches=3"):  # Static batch shape.
+    model.fit(x, y, batch_size=B, verbose=0)
+  var = tf.Variable(tf.ones([3]))
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 3])])  # Unknown batch: checked in-graph.
+  def step(x):
+    return tfdp_variants.per_example.compute(tf.reduce_sum(x * var, 1), [var], 3).materialize()
+
+  assert step(tf.ones([6, 3]))[0].shape == (3, 3)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of num_microbatches=3"):
+    step(tf.ones([8, 3]))
+
+
+def test_non_finite_gradients_are_refused():
+  x, y = _data()
+  x[0, 0, 0, 0] = np.nan
+  model = _model()
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0), loss=_loss())
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Non-finite per-example gradient"):
+    model.fit(x, y, batch_size=B, verbose=0)
+
+
+def test_unprivatized_apply_is_refused():
+  var = tf.Variable([1.0])
+  with pytest.raises(RuntimeError, match="train without privacy"):
+    tfdp_variants.DPSGD(1.0, 1.0).apply_gradients([(tf.constant([1.0]), var)])

@@ -1,0 +1,46 @@
+"""Small named steps over per-example gradients; a paper's algorithm box is a few of these.
+
+Each takes and returns plain lists of tensors (one per trainable variable) or a
+`PerExampleGradients`, in the spirit of Optax's gradient transformations.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from tfdp_variants import validation
+from tfdp_variants.per_example import PerExampleGradients
+
+
+def clip_factors(norms: tf.Tensor, l2_norm_clip: float) -> tf.Tensor:
+  """Weights w_m = 1 / max(1, ||g_m|| / C), so that w_m g_m = clip(g_m, C) (SPEC §2)."""
+  return 1.0 / tf.maximum(1.0, norms / l2_norm_clip)
+
+
+def flat_clipped_sum(grads: PerExampleGradients, l2_norm_clip: float) -> list[tf.Tensor]:
+  """Σ_m clip(g_m, C), the norm taken over all variables together (Abadi et al. 2016, Alg. 1)."""
+  norms = validation.assert_finite(grads.global_norms())
+  return grads.weighted_sum(clip_factors(norms, l2_norm_clip))
+
+
+def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddev: float) -> list[tf.Tensor]:
+  """t + N(0, stddev² I) for each tensor; no op when stddev is 0."""
+  if stddev == 0:
+    return list(tensors)
+  return [t + tf.random.normal(tf.shape(t), stddev=stddev, dtype=t.dtype) for t in tensors]
+
+
+def mean_over_microbatches(tensors: Sequence[tf.Tensor], num_microbatches: tf.Tensor
+                           ) -> list[tf.Tensor]:
+  """t / M: the noised sum divided by the number of microbatches, as TF Privacy does."""
+  return [t / tf.cast(num_microbatches, t.dtype) for t in tensors]
+
+
+def dp_sgd(grads: PerExampleGradients, l2_norm_clip: float,
+           noise_multiplier: float) -> list[tf.Tensor]:
+  """DP-SGD (SPEC §3.1): ĝ = (1/M) (Σ_m clip(g_m, C) + N(0, σ²C² I))."""
+  summed = flat_clipped_sum(grads, l2_norm_clip)
+  noised = add_gaussian_noise(summed, noise_multiplier * l2_norm_clip)
+  return mean_over_microbatches(noised, grads.num_microbatches)
