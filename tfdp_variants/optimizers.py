@@ -22,6 +22,7 @@ from typing import Optional
 from absl import logging
 import tensorflow as tf
 
+from tfdp_variants import accounting
 from tfdp_variants import per_example
 from tfdp_variants import transforms
 from tfdp_variants import validation
@@ -59,6 +60,10 @@ class DPOptimizerMixin:
   def privatize(self, grads: per_example.PerExampleGradients) -> list[tf.Tensor]:
     """The algorithm: per-microbatch gradients in, the gradient for the base update out."""
     return transforms.dp_sgd(grads, self.l2_norm_clip, self.noise_multiplier)
+
+  def step_event(self, sampling_probability: float):
+    """The dp_accounting event of one step: the Gaussian mechanism on a Poisson sample."""
+    return accounting.step_event(self.noise_multiplier, sampling_probability)
 
   def _dp_gradients(self, loss, var_list, tape):
     if callable(loss):

@@ -1,0 +1,5 @@
+"""Build script; the configuration lives in setup.cfg."""
+
+import setuptools
+
+setuptools.setup()
