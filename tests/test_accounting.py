@@ -257,3 +257,14 @@ def test_ledger_with_varying_noise_and_norm_query_equals_direct_composition():
 
 def test_module_docstring_example_runs():
   assert doctest.testmod(accounting).failed == 0
+
+
+def test_per_layer_noise_multiplier_equals_composed_gaussians():
+  """K layers, each with sensitivity C_k and noise σC_k, are K Gaussians of multiplier σ."""
+  sigma, k, delta = 1.3, 4, 1e-5
+  composed = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma)] * k)
+  want = dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(composed).get_epsilon(
+      delta)
+  got = accounting.epsilon(accounting.per_layer_noise_multiplier(sigma, k), 1.0, 1, delta)
+  assert got == pytest.approx(want, rel=1e-9)
+  assert got > accounting.epsilon(sigma, 1.0, 1, delta)  # Not the flat σ.

@@ -1,6 +1,7 @@
 """tfdp_variants: published variants of differentially private deep learning as Keras optimizers."""
 
 from tfdp_variants import accounting
+from tfdp_variants import algorithms
 from tfdp_variants import per_example
 from tfdp_variants import transforms
 from tfdp_variants import validation

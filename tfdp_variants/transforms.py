@@ -25,11 +25,23 @@ def flat_clipped_sum(grads: PerExampleGradients, l2_norm_clip: float) -> list[tf
   return grads.weighted_sum(clip_factors(norms, l2_norm_clip))
 
 
-def add_gaussian_noise(tensors: Sequence[tf.Tensor], stddev: float) -> list[tf.Tensor]:
-  """t + N(0, stddev² I) for each tensor; no op when stddev is 0."""
-  if stddev == 0:
-    return list(tensors)
-  return [t + tf.random.normal(tf.shape(t), stddev=stddev, dtype=t.dtype) for t in tensors]
+def per_layer_clipped_sum(grads: PerExampleGradients,
+                          bounds: Sequence[float | tf.Tensor]) -> list[tf.Tensor]:
+  """Σ_m clip(g_m^k, C_k) for each variable k with its own bound C_k (per-layer clipping)."""
+  norms = [validation.assert_finite(tf.sqrt(s)) for s in grads.squared_norms()]
+  return grads.weighted_sum([clip_factors(n, c) for n, c in zip(norms, bounds)])
+
+
+def add_gaussian_noise(tensors: Sequence[tf.Tensor],
+                       stddev: float | tf.Tensor | Sequence[float | tf.Tensor]) -> list[tf.Tensor]:
+  """t + N(0, stddev² I) for each tensor; `stddev` is one value or one per tensor.
+
+  A Python 0 adds nothing (no random op in the graph).
+  """
+  stddevs = stddev if isinstance(stddev, (list, tuple)) else [stddev] * len(tensors)
+  return [t if isinstance(s, (int, float)) and s == 0 else
+          t + tf.random.normal(tf.shape(t), dtype=t.dtype) * tf.cast(s, t.dtype)
+          for t, s in zip(tensors, stddevs)]
 
 
 def mean_over_microbatches(tensors: Sequence[tf.Tensor], num_microbatches: tf.Tensor
@@ -37,10 +49,3 @@ def mean_over_microbatches(tensors: Sequence[tf.Tensor], num_microbatches: tf.Te
   """t / M: the noised sum divided by the number of microbatches, as TF Privacy does."""
   return [t / tf.cast(num_microbatches, t.dtype) for t in tensors]
 
-
-def dp_sgd(grads: PerExampleGradients, l2_norm_clip: float,
-           noise_multiplier: float) -> list[tf.Tensor]:
-  """DP-SGD (SPEC §3.1): ĝ = (1/M) (Σ_m clip(g_m, C) + N(0, σ²C² I))."""
-  summed = flat_clipped_sum(grads, l2_norm_clip)
-  noised = add_gaussian_noise(summed, noise_multiplier * l2_norm_clip)
-  return mean_over_microbatches(noised, grads.num_microbatches)
