@@ -198,3 +198,43 @@ def test_unprivatized_apply_is_refused():
   var = tf.Variable([1.0])
   with pytest.raises(RuntimeError, match="train without privacy"):
     tfdp_variants.DPSGD(1.0, 1.0).apply_gradients([(tf.constant([1.0]), var)])
+
+
+@pytest.mark.parametrize("name,base,algorithm,label", [
+    ("DPSGD", tf.keras.optimizers.SGD, "dpsgd", "certified"),
+    ("DPAdam", tf.keras.optimizers.Adam, "dpsgd", "certified"),
+    ("DPRMSprop", tf.keras.optimizers.RMSprop, "dpsgd", "certified"),
+    ("DPAdagrad", tf.keras.optimizers.Adagrad, "dpsgd", "certified"),
+    ("NoisyGradientSGD", tf.keras.optimizers.SGD, "noisy_gradient", "none"),
+    ("NoisyGradientAdam", tf.keras.optimizers.Adam, "noisy_gradient", "none"),
+    ("QuantileClipSGD", tf.keras.optimizers.SGD, "quantile_clip", "heuristic"),
+    ("QuantileClipAdam", tf.keras.optimizers.Adam, "quantile_clip", "heuristic"),
+    ("LayeredClipSGD", tf.keras.optimizers.SGD, "layered_clip", "heuristic"),
+    ("LayeredClipAdam", tf.keras.optimizers.Adam, "layered_clip", "heuristic"),
+    ("AdaptiveClipSGD", tf.keras.optimizers.SGD, "adaptive_clip", "certified"),
+    ("AdaptiveClipAdam", tf.keras.optimizers.Adam, "adaptive_clip", "certified"),
+    ("PIAdam", tf.keras.optimizers.Adam, "pigdo", "certified"),
+    ("PIRMSprop", tf.keras.optimizers.RMSprop, "pigdo", "certified"),
+    ("PIAdagrad", tf.keras.optimizers.Adagrad, "pigdo", "certified"),
+    ("TanhFilterSGD", tf.keras.optimizers.SGD, "tanh_filter", "none"),
+    ("TanhFilterAdam", tf.keras.optimizers.Adam, "tanh_filter", "none"),
+])
+def test_named_classes(name, base, algorithm, label):
+  cls = getattr(tfdp_variants, name)
+  assert cls is tfdp_variants.make_dp_optimizer_class(base, algorithm)
+  assert issubclass(cls, base) and cls.algorithm_cls.name == algorithm
+  assert cls.privacy_guarantee == label
+
+
+def test_options_set_the_instance_label_and_bake_defaults():
+  assert tfdp_variants.NoisyGradientAdam(1.0, 1.0, order="clip_then_noise").privacy_guarantee == (
+      "certified")
+  assert tfdp_variants.TanhFilterAdam(1.0, 1.0, certified=True).privacy_guarantee == "certified"
+  ca = tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adam, "noisy_gradient",
+                                             order="clip_then_noise")
+  assert ca(1.0, 1.0).algorithm.order == "clip_then_noise"
+  assert ca is not tfdp_variants.NoisyGradientAdam
+  with pytest.raises(TypeError, match="no options"):
+    tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adam, "dpsgd", order="x")
+  with pytest.raises(ValueError, match="Unknown algorithm"):
+    tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adam, "dp-sgd")

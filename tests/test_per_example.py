@@ -151,6 +151,29 @@ def _rules(model, x, y):
   return seen["rules"]
 
 
+@pytest.mark.parametrize("name", ["dense_on_3d", "conv1d_all_paddings", "embedding",
+                                  "tied_embedding", "shared_layer", "layer_norm"])
+def test_gram_and_dots_equal_materialized_inner_products(name):
+  """Every factor kind (outer T=1 and T>1, rowsum, gather, fallback) against materialized g_m."""
+  tf.keras.utils.set_random_seed(0)
+  build, x, _ = ZOO[name]
+  model = build()
+  y = _floats(*model(x).shape)
+  probe = [tf.random.stateless_normal(v.shape, seed=[5, i])
+           for i, v in enumerate(model.trainable_variables)]
+
+  @tf.function
+  def run():
+    grads = per_example.compute(_mse(y, model(x, training=True)), model.trainable_variables, 3)
+    return grads.gram(), grads.dots(probe), grads.materialize()
+
+  gram, dots, full = run()
+  flat = np.concatenate([np.reshape(g, [3, -1]) for g in full], axis=1)
+  np.testing.assert_allclose(gram, flat @ flat.T, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dots, flat @ np.concatenate([np.ravel(p) for p in probe]),
+                             rtol=1e-5, atol=1e-6)
+
+
 def test_fast_rules_cover_paper_cnn():
   model = _seq((28, 28, 1), L.Conv2D(4, 5, padding="same", activation="relu"), L.MaxPool2D(2),
                L.Conv2D(8, 5, padding="same", activation="relu"), L.MaxPool2D(2), L.Flatten(),

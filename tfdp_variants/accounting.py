@@ -14,6 +14,13 @@ Methods (the `method` argument):
   `PLD_VALUE_DISCRETIZATION_INTERVAL` (1e-4, the library default): the tightest
   bound available, pessimistic only by the discretization (ε within about
   1e-4 of a 10x finer grid for MNIST-scale DP-SGD).
+- ``"mma"`` and ``"ma"``: closed forms for DP-SGD steps of one σ and q, as the
+  PIGDO paper (2022) states them: its modified moments accountant (Theorem 3,
+  `mma_epsilon`) and the moments-accountant form it compares with,
+  ε = 3q·√(T·ln(1/δ))/σ. Neither is a proven bound (MMA's proof drops terms;
+  Abadi et al.'s form holds only up to unspecified constants): show them
+  beside RDP and PLD (`compare_accountants`). They take no events, so
+  `epsilon_of_event` and `PrivacyLedger.epsilon` refuse them.
 
 Example:
 
@@ -33,10 +40,11 @@ True
 True
 """
 
+import dataclasses
 import json
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple, Union
 
 import attr
 import dp_accounting
@@ -89,15 +97,38 @@ _ACCOUNTANTS: Dict[str, Callable[[], dp_accounting.PrivacyAccountant]] = {
 }
 
 
+class _ClosedForm(NamedTuple):
+  """ε(σ, q, T, δ) and its inverse σ(ε, q, T, δ) for T DP-SGD steps."""
+  epsilon: Callable[[float, float, int, float], float]
+  noise_multiplier: Callable[[float, float, int, float], float]
+
+
+# Method name -> closed form; these take no events (defined further below).
+_CLOSED_FORMS: Dict[str, _ClosedForm] = {
+    "mma": _ClosedForm(
+        lambda s, q, t, d: mma_epsilon(
+            noise_multiplier=s, sampling_probability=q, steps=t,
+            delta=d).epsilon,
+        lambda e, q, t, d: mma_noise_multiplier(e, q, t, d).noise_multiplier),
+    "ma": _ClosedForm(lambda *args: _ma_epsilon(*args),
+                      lambda *args: _ma_epsilon(*args)),
+}
+
+
 def _accountant_factory(
     method: str) -> Callable[[], dp_accounting.PrivacyAccountant]:
-  try:
+  if method in _ACCOUNTANTS:
     return _ACCOUNTANTS[method]
-  except KeyError:
-    valid = ", ".join(repr(name) for name in sorted(_ACCOUNTANTS))
+  if method in _CLOSED_FORMS:
     raise ValueError(
-        f"Unknown accounting method {method!r}; valid methods: {valid}."
-    ) from None
+        f"Method {method!r} is a closed form for DP-SGD steps of one noise "
+        "multiplier and sampling probability, not an accountant of events: "
+        "use accounting.epsilon(...), or an accountant method: "
+        f"{', '.join(repr(name) for name in sorted(_ACCOUNTANTS))}.")
+  valid = ", ".join(
+      repr(name) for name in sorted({**_ACCOUNTANTS, **_CLOSED_FORMS}))
+  raise ValueError(
+      f"Unknown accounting method {method!r}; valid methods: {valid}.")
 
 
 def _check_delta(delta: float) -> None:
@@ -138,12 +169,17 @@ def step_event(noise_multiplier: float,
     raise ValueError(
         f"noise_multiplier must be >= 0, got {noise_multiplier}. It is the "
         "noise standard deviation divided by l2_norm_clip.")
+  return poisson_sampled(dp_accounting.GaussianDpEvent(float(noise_multiplier)),
+                         sampling_probability)
+
+
+def poisson_sampled(event: dp_accounting.DpEvent,
+                    sampling_probability: float) -> dp_accounting.DpEvent:
+  """`event` run on a Poisson sample of rate q: PoissonSampledDpEvent, or `event` when q == 1."""
   _check_sampling_probability(sampling_probability)
-  gaussian = dp_accounting.GaussianDpEvent(float(noise_multiplier))
   if sampling_probability == 1:
-    return gaussian
-  return dp_accounting.PoissonSampledDpEvent(float(sampling_probability),
-                                             gaussian)
+    return event
+  return dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
 
 
 def per_layer_noise_multiplier(noise_multiplier: float, num_layers: int) -> float:
@@ -180,6 +216,10 @@ def epsilon(noise_multiplier: float,
   """ε of `steps` DP-SGD steps (`step_event`) at `delta`; inf when σ == 0."""
   event = step_event(noise_multiplier, sampling_probability)
   _check_steps(steps, minimum=0)
+  if method in _CLOSED_FORMS:
+    _check_delta(delta)
+    return _CLOSED_FORMS[method].epsilon(noise_multiplier, sampling_probability,
+                                         int(steps), delta) if steps else 0.0
   if steps == 0:  # dp_accounting rejects a count of 0.
     return epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, method)
   return epsilon_of_event(
@@ -194,7 +234,8 @@ def noise_multiplier_for(target_epsilon: float,
   """The smallest σ (within 1e-4) whose `epsilon` is at most `target_epsilon`.
 
   Uses `dp_accounting.calibrate_dp_mechanism`, as TF Privacy's
-  `compute_noise_from_budget_lib.compute_noise` does.
+  `compute_noise_from_budget_lib.compute_noise` does; the closed forms
+  ("mma", "ma") are inverted exactly.
   """
   if not target_epsilon > 0:
     raise ValueError(
@@ -203,6 +244,9 @@ def noise_multiplier_for(target_epsilon: float,
   _check_sampling_probability(sampling_probability)
   _check_steps(steps, minimum=1)
   _check_delta(delta)
+  if method in _CLOSED_FORMS:
+    return _CLOSED_FORMS[method].noise_multiplier(
+        target_epsilon, sampling_probability, int(steps), delta)
 
   def make_event(sigma: float) -> dp_accounting.DpEvent:
     return dp_accounting.SelfComposedDpEvent(
@@ -217,6 +261,179 @@ def noise_multiplier_for(target_epsilon: float,
           dp_accounting.LowerEndpointAndGuess(0.0, 1.0),
           tol=_CALIBRATION_TOL,
       ))
+
+
+# The conditions of the PIGDO paper's Theorem 3, in its notation (λ: the
+# moment order); `failed_conditions` lists those that do not hold.
+MMA_CONDITIONS: Tuple[str, ...] = (
+    "sigma >= 1",
+    "q < 1/sigma",
+    "lambda <= 1/(10 q^2)",
+    "epsilon > 0.002 T/lambda",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaEpsilon:
+  """ε of the modified moments accountant (MMA); not a proven bound.
+
+  Attributes:
+    epsilon: ε = 2q·ln(1/δ) / (σ·√(δ^(−1/T) − 1)).
+    moment_order: λ = 2·ln(1/δ)/ε, the order at which the proof's two
+      inequalities meet (δ = e^(−λε/2)).
+    failed_conditions: the entries of `MMA_CONDITIONS` that do not hold.
+  """
+  epsilon: float
+  moment_order: float
+  failed_conditions: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaNoiseMultiplier:
+  """σ that MMA says spends `target_epsilon`; not a proven bound.
+
+  Attributes:
+    noise_multiplier: σ = 2q·ln(1/δ) / (ε·√(δ^(−1/T) − 1)).
+    moment_order: λ = 2·ln(1/δ)/ε.
+    failed_conditions: the entries of `MMA_CONDITIONS` that do not hold.
+  """
+  noise_multiplier: float
+  moment_order: float
+  failed_conditions: Tuple[str, ...]
+
+
+def _mma_failed_conditions(noise_multiplier: float, sampling_probability: float,
+                           steps: int, delta: float,
+                           moment_order: float) -> Tuple[str, ...]:
+  q, sigma, lam = sampling_probability, noise_multiplier, moment_order
+  holds = (
+      sigma >= 1,
+      q * sigma < 1,
+      lam <= 1 / (10 * q**2),
+      # ε > 0.002T/λ with λ = 2 ln(1/δ)/ε: it reads 2·ln(1/δ) > 0.002·T, i.e.
+      # T < 1000·ln(1/δ), whatever σ and q.
+      2 * math.log(1 / delta) > 0.002 * steps,
+  )
+  return tuple(c for c, ok in zip(MMA_CONDITIONS, holds) if not ok)
+
+
+def _check_mma_arguments(sampling_probability: float, steps: int,
+                         delta: float) -> None:
+  _check_sampling_probability(sampling_probability)
+  _check_steps(steps, minimum=1)
+  _check_delta(delta)
+
+
+def mma_epsilon(*, noise_multiplier: float, sampling_probability: float,
+                steps: int, delta: float) -> MmaEpsilon:
+  """ε of `steps` PIGDO/DP-SGD steps by the modified moments accountant.
+
+  PIGDO paper (2022), Theorem 3: σ ≥ 2q·ln(1/δ) / (ε·√(δ^(−1/T) − 1)) gives
+  (ε, δ)-DP when σ ≥ 1, q < 1/σ, λ ≤ 1/(10q²) and ε > 0.002T/λ; solved for
+  ε. The proof keeps only the t = 2 term of the binomial expansion of the
+  moment (its eq. 3) and drops the others as "dominated", and it sets the
+  per-step log moment to log(1 + q²λ²/σ²): the result is not a proven
+  bound, even when every condition holds (`failed_conditions` is empty).
+  Compare it with RDP and PLD (`compare_accountants`).
+
+  Arguments are keyword-only so that σ and q cannot be swapped silently.
+
+  Returns:
+    `MmaEpsilon` (ε, the moment order λ and the failed conditions); ε is inf
+    when σ == 0.
+  """
+  step_event(noise_multiplier, sampling_probability)  # Validates σ and q.
+  _check_mma_arguments(sampling_probability, steps, delta)
+  log_inv_delta = math.log(1 / delta)
+  if noise_multiplier == 0:
+    eps = math.inf
+  else:
+    eps = 2 * sampling_probability * log_inv_delta / (
+        noise_multiplier * math.sqrt(math.expm1(log_inv_delta / steps)))
+  moment_order = 2 * log_inv_delta / eps
+  return MmaEpsilon(eps, moment_order, _mma_failed_conditions(
+      noise_multiplier, sampling_probability, steps, delta, moment_order))
+
+
+def mma_noise_multiplier(target_epsilon: float, sampling_probability: float,
+                         steps: int, delta: float) -> MmaNoiseMultiplier:
+  """σ whose MMA ε (`mma_epsilon`, PIGDO Theorem 3) is `target_epsilon`.
+
+  σ = 2q·ln(1/δ) / (ε·√(δ^(−1/T) − 1)), the theorem's choice of noise; like
+  `mma_epsilon`, not a proven bound.
+  """
+  if not target_epsilon > 0:
+    raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}.")
+  _check_mma_arguments(sampling_probability, steps, delta)
+  log_inv_delta = math.log(1 / delta)
+  sigma = 2 * sampling_probability * log_inv_delta / (
+      target_epsilon * math.sqrt(math.expm1(log_inv_delta / steps)))
+  moment_order = 2 * log_inv_delta / target_epsilon
+  return MmaNoiseMultiplier(sigma, moment_order, _mma_failed_conditions(
+      sigma, sampling_probability, steps, delta, moment_order))
+
+
+def _ma_epsilon(noise_multiplier: float, sampling_probability: float,
+                steps: int, delta: float) -> float:
+  """ε = 3q·√(T·ln(1/δ))/σ; inf when σ == 0.
+
+  The moments-accountant form the PIGDO paper derives from Abadi et al.'s
+  Theorem 1 (its Section 5.2). Swapping σ and ε inverts it.
+  """
+  if noise_multiplier == 0:
+    return math.inf
+  return 3 * sampling_probability * math.sqrt(
+      steps * math.log(1 / delta)) / noise_multiplier
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountantComparison:
+  """ε of the same DP-SGD run by four accountants, side by side.
+
+  Attributes:
+    mma: the PIGDO paper's modified moments accountant; not a proven bound.
+    ma: the moments-accountant closed form the paper compares with.
+    rdp: RDP with TF Privacy's orders (proven).
+    pld: PLD through dp_accounting (proven, the tightest here).
+    mma_below_pld: MMA claims less than PLD, which is within its
+      discretization of the true ε: MMA's number is then no valid guarantee
+      (for q = 0.01, σ = 2, δ = 1e-5 this happens for T ≤ 5, with all of
+      Theorem 3's conditions holding at T = 5).
+  """
+  mma: MmaEpsilon
+  ma: float
+  rdp: float
+  pld: float
+
+  @property
+  def mma_below_pld(self) -> bool:
+    return self.mma.epsilon < self.pld
+
+  def __str__(self) -> str:
+    failed = ", ".join(self.mma.failed_conditions) or "none"
+    flag = "  <- below PLD: not a valid bound" if self.mma_below_pld else ""
+    return (f"MMA {self.mma.epsilon:.3f} (not a proven bound; failed "
+            f"conditions: {failed}){flag}\nMA {self.ma:.3f}  "
+            f"RDP {self.rdp:.3f}  PLD {self.pld:.3f}")
+
+
+def compare_accountants(noise_multiplier: float, sampling_probability: float,
+                        steps: int, delta: float) -> AccountantComparison:
+  """MMA and MA (PIGDO paper) beside RDP and PLD for `steps` DP-SGD steps.
+
+  MMA's proof drops terms (see `mma_epsilon`), so MMA is not a proven bound:
+  it is always shown beside the proven RDP and PLD numbers, and
+  `mma_below_pld` flags when it claims less than PLD.
+  """
+  def eps(method: str) -> float:
+    return epsilon(noise_multiplier, sampling_probability, steps, delta, method)
+
+  _check_steps(steps, minimum=1)
+  return AccountantComparison(
+      mma=mma_epsilon(noise_multiplier=noise_multiplier,
+                      sampling_probability=sampling_probability, steps=steps,
+                      delta=delta),
+      ma=eps("ma"), rdp=eps("rdp"), pld=eps("pld"))
 
 
 # Event types that the JSON form of a ledger can hold.

@@ -51,7 +51,9 @@ class DPOptimizerMixin:
 
   algorithm_cls: ClassVar[type[algorithms.Algorithm]] = algorithms.DPSGD
   default_options: ClassVar[dict] = {}
-  privacy_guarantee: str = "certified"  # Instances take their algorithm's.
+  # The class attribute is the label of the algorithm's default options; an instance's is its own
+  # (e.g. NoisyGradientAdam is "none", NoisyGradientAdam(order="clip_then_noise") "certified").
+  privacy_guarantee: str = "certified"
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                num_microbatches: Optional[int] = None, **kwargs):
@@ -133,6 +135,10 @@ class DPOptimizerMixin:
         self.build(var_list)
     grads = per_example.compute(loss, var_list, self.num_microbatches, tape)
     self.per_example_rules = tuple(grads.rules)
+    slow = [v.name for v, rule in zip(var_list, grads.rules) if rule == "fallback"]
+    if slow and not tf.executing_eagerly():
+      logging.info("%s: these variables have no per-example rule and take the exact Jacobian "
+                   "fallback (slower): %s", type(self).__name__, ", ".join(slow))
     self._dp_gradients_computed = True
     return list(zip(self.algorithm(grads), var_list))
 
@@ -201,7 +207,21 @@ def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options)
   return _make_class(base_cls, algorithm, tuple(sorted(options.items())))
 
 
+# The named classes of SPEC §3 (any other base: make_dp_optimizer_class).
 DPSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD)
 DPAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam)
 DPRMSprop = make_dp_optimizer_class(tf.keras.optimizers.RMSprop)
 DPAdagrad = make_dp_optimizer_class(tf.keras.optimizers.Adagrad)
+QuantileClipSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD, "quantile_clip")
+QuantileClipAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "quantile_clip")
+LayeredClipSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD, "layered_clip")
+LayeredClipAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "layered_clip")
+AdaptiveClipSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD, "adaptive_clip")
+AdaptiveClipAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "adaptive_clip")
+NoisyGradientSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD, "noisy_gradient")
+NoisyGradientAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "noisy_gradient")
+PIAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "pigdo")
+PIRMSprop = make_dp_optimizer_class(tf.keras.optimizers.RMSprop, "pigdo")
+PIAdagrad = make_dp_optimizer_class(tf.keras.optimizers.Adagrad, "pigdo")
+TanhFilterSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD, "tanh_filter")
+TanhFilterAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "tanh_filter")

@@ -59,7 +59,11 @@ class Algorithm:
     raise NotImplementedError
 
   def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
-    """The mechanism one step certifiably is, on a Poisson sample; None without a guarantee."""
+    """The mechanism one step certifiably is, on a Poisson sample; None when nothing is proven.
+
+    An algorithm whose published guarantee is "none" may still have a (loose) certified event,
+    e.g. the tanh filter's at its true sensitivity.
+    """
     return accounting.step_event(self.noise_multiplier, sampling_probability)
 
   def nominal_step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:

@@ -54,6 +54,14 @@ class PerExampleGradients:
       return [f.weighted_sum(w) for f, w in zip(self.factors, weights)]
     return [f.weighted_sum(weights) for f in self.factors]
 
+  def gram(self) -> tf.Tensor:
+    """(M, M) inner products ⟨g_m, g_n⟩ over all variables together."""
+    return tf.add_n([f.gram() for f in self.factors])
+
+  def dots(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """(M,) inner products ⟨g_m, x⟩ with `tensors` x, one per variable."""
+    return tf.add_n([f.dots(x) for f, x in zip(self.factors, tensors)])
+
   def materialize(self, start=0, stop=None) -> list[tf.Tensor]:
     """g_m for m in [start, stop), each of shape (stop - start, *var.shape)."""
     return [f.materialize(start, stop) for f in self.factors]

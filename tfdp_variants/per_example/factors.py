@@ -8,8 +8,9 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
 * `Dense`  (exact fallback): the materialized tensor G[m].
 
-Each answers the three questions an algorithm asks: per-microbatch squared norms, a weighted sum
-Σ_m w_m g_m, and the materialized g_m for a slice of microbatches. Factors know nothing of
+Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
+Σ_m w_m g_m, the materialized g_m for a slice of microbatches, the Gram matrix ⟨g_m, g_n⟩ and the
+inner products ⟨g_m, x⟩ with a tensor x of the variable's shape. Factors know nothing of
 clipping or noise.
 """
 
@@ -67,6 +68,19 @@ class Outer:
       return tf.reshape(tf.tensordot(w, self._materialized, 1), self.shape)
     return tf.reshape(tf.einsum("mtk,mto->ko", self.a, self.d * w[:, None, None]), self.shape)
 
+  def gram(self) -> tf.Tensor:
+    if self.a.shape[1] == 1:  # ⟨a_m d_mᵀ, a_n d_nᵀ⟩ = (a_m·a_n)(d_m·d_n)
+      return tf.matmul(self.a[:, 0], self.a[:, 0], transpose_b=True) * tf.matmul(
+          self.d[:, 0], self.d[:, 0], transpose_b=True)
+    flat = tf.reshape(self._full(), [tf.shape(self.a)[0], -1])
+    return tf.matmul(flat, flat, transpose_b=True)
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    x = tf.reshape(x, [self.a.shape[2], self.d.shape[2]])
+    if self._materialized is not None:
+      return tf.einsum("mko,ko->m", self._materialized, x)
+    return tf.einsum("mtk,ko,mto->m", self.a, x, self.d)
+
   def materialize(self, start, stop) -> tf.Tensor:
     if self._materialized is not None:
       g = self._materialized[start:stop]
@@ -89,6 +103,13 @@ class RowSum:
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.einsum("mto,m->o", self.d, w), self.shape)
+
+  def gram(self) -> tf.Tensor:
+    g = tf.reduce_sum(self.d, axis=1)
+    return tf.matmul(g, g, transpose_b=True)
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    return tf.einsum("mto,o->m", self.d, tf.reshape(x, [-1]))
 
   def materialize(self, start, stop) -> tf.Tensor:
     g = tf.reduce_sum(self.d[start:stop], axis=1)
@@ -114,6 +135,14 @@ class Gather:
     rows = tf.reshape(self.d * w[:, None, None], [-1, self.shape[-1]])
     return tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0])
 
+  def gram(self) -> tf.Tensor:
+    same_row = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
+                       self.d.dtype)
+    return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", self.d, self.d), axis=[2, 3])
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    return tf.einsum("mto,mto->m", tf.gather(x, self.ids), self.d)
+
   def materialize(self, start, stop) -> tf.Tensor:
     ids, d = self.ids[start:stop], self.d[start:stop]
     count = tf.shape(ids)[0]
@@ -137,6 +166,13 @@ class Dense:
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     return tf.tensordot(w, self.g, 1)
+
+  def gram(self) -> tf.Tensor:
+    flat = tf.reshape(self.g, [tf.shape(self.g)[0], -1])
+    return tf.matmul(flat, flat, transpose_b=True)
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    return tf.linalg.matvec(tf.reshape(self.g, [tf.shape(self.g)[0], -1]), tf.reshape(x, [-1]))
 
   def materialize(self, start, stop) -> tf.Tensor:
     return self.g[start:stop]

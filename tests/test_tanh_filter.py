@@ -1,0 +1,197 @@
+"""Tanh-filter DP-SGD (Amian 2021): one step against NumPy, noise, certified mode, accounting."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+import tfdp_variants.algorithms.tanh_filter  # Registers "tanh_filter".
+from tfdp_variants import accounting
+
+L = tf.keras.layers
+B = 8
+
+
+def _cls(base_cls=tf.keras.optimizers.SGD):
+  return tfdp_variants.make_dp_optimizer_class(base_cls, "tanh_filter")
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(B, 3)).astype("float32") * 2,
+          rng.normal(size=(B, 2)).astype("float32") * 3)
+
+
+def _linear():
+  tf.keras.utils.set_random_seed(0)
+  return tf.keras.Sequential([L.Input((3,)), L.Dense(2)])
+
+
+def _numpy_microbatch_grads(w, b, x, y, m):
+  """Gradients of the mean over each microbatch of mean_j (x·W + b − y)_j² (2 outputs)."""
+  r = x @ w + b - y
+  return ((x[:, :, None] * r[:, None, :]).reshape(m, -1, 3, 2).mean(1),
+          r.reshape(m, -1, 2).mean(1))
+
+
+def _fixed_normal(shape, dtype=tf.float32, **_):
+  """A fixed "noise draw" z, a function of the shape only."""
+  return tf.reshape(tf.sin(tf.cast(tf.range(tf.reduce_prod(shape)), dtype) + 1.0), shape)
+
+
+def _numpy_fixed_normal(shape):
+  return np.sin(np.arange(np.prod(shape)) + 1.0).reshape(shape)
+
+
+def _sgd_step(optimizer, monkeypatch=None):
+  """One full-batch SGD step (lr 1) on the linear model: returns (w0, b0, w1, b1)."""
+  x, y = _data()
+  model = _linear()
+  w0, b0 = [v.astype(np.float64) for v in model.get_weights()]
+  if monkeypatch is not None:
+    monkeypatch.setattr(tf.random, "normal", _fixed_normal)
+  model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  w1, b1 = model.get_weights()
+  return w0, b0, w1, b1
+
+
+def test_noiseless_step_is_mean_of_filtered_gradients():
+  """σ = 0: ĝ = (1/M) Σ_i c·tanh(g_i/k), with several chunks and a ragged last one."""
+  c, k = 2.0, 3.0
+  opt = _cls()(1.0, 0.0, output_range=c, active_range=k, chunk_size=3, learning_rate=1.0)
+  w0, b0, w1, b1 = _sgd_step(opt)
+  x, y = _data()
+  gw, gb = _numpy_microbatch_grads(w0, b0, x, y, B)
+  assert np.abs(gw / k).max() > 1.5  # tanh is far from linear here.
+  np.testing.assert_allclose(w0 - w1, (c * np.tanh(gw / k)).mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(b0 - b1, (c * np.tanh(gb / k)).mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_noise_has_no_clip_factor(monkeypatch):
+  """A fixed draw z: ĝ = (1/M)(Σ_i f(g_i) + σ z), M = 2 microbatches; C (= 5) plays no part."""
+  sigma, m = 0.7, 2
+  opt = _cls()(5.0, sigma, num_microbatches=m, learning_rate=1.0)
+  w0, b0, w1, b1 = _sgd_step(opt, monkeypatch)
+  x, y = _data()
+  gw, gb = _numpy_microbatch_grads(w0, b0, x, y, m)
+  np.testing.assert_allclose(
+      w0 - w1, (np.tanh(gw).sum(0) + sigma * _numpy_fixed_normal((3, 2))) / m, rtol=1e-5,
+      atol=1e-6)
+  np.testing.assert_allclose(
+      b0 - b1, (np.tanh(gb).sum(0) + sigma * _numpy_fixed_normal((2,))) / m, rtol=1e-5, atol=1e-6)
+
+
+def test_certified_mode_clips_filtered_gradients(monkeypatch):
+  """ĝ = (1/M)(Σ_i clip(f(g_i), C) + σC z), the norm over all variables together."""
+  sigma, clip, c, k = 0.7, 3.5, 2.0, 3.0
+  opt = _cls()(clip, sigma, output_range=c, active_range=k, certified=True, chunk_size=5,
+               learning_rate=1.0)
+  w0, b0, w1, b1 = _sgd_step(opt, monkeypatch)
+  x, y = _data()
+  gw, gb = _numpy_microbatch_grads(w0, b0, x, y, B)
+  fw, fb = c * np.tanh(gw / k), c * np.tanh(gb / k)
+  norms = np.sqrt((fw**2).sum((1, 2)) + (fb**2).sum(1))
+  assert (norms > clip).any() and (norms < clip).any()
+  factor = 1 / np.maximum(1, norms / clip)
+  np.testing.assert_allclose(
+      w0 - w1, (np.einsum("m,mij->ij", factor, fw) + sigma * clip * _numpy_fixed_normal((3, 2)))
+      / B, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      b0 - b1, (np.einsum("m,mi->i", factor, fb) + sigma * clip * _numpy_fixed_normal((2,))) / B,
+      rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("certified", [False, True])
+def test_noise_std(certified):
+  """Zero gradients: the noise std is σ/M as published, σC/M in certified mode."""
+  sigma, clip, m = 1.3, 3.0, 4
+  opt = _cls()(clip, sigma, certified=certified, num_microbatches=m)
+  var = tf.Variable(tf.zeros([40, 50]))
+
+  @tf.function
+  def noise():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.matmul(tf.ones([B, 40]), var), axis=1) * 0.0
+    return opt.compute_gradients(loss, [var], tape)[0][0]
+
+  draws = np.concatenate([noise().numpy().ravel() for _ in range(4)])
+  expected = sigma * (clip if certified else 1.0) / m
+  assert abs(draws.mean()) < 4 * expected / np.sqrt(draws.size)
+  assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * draws.size)
+
+
+def test_labels_and_class_names():
+  assert _cls(tf.keras.optimizers.SGD).__name__ == "TanhFilterSGD"
+  assert _cls(tf.keras.optimizers.Adam).__name__ == "TanhFilterAdam"
+  assert _cls().privacy_guarantee == "none"
+  assert _cls()(1.0, 1.1).privacy_guarantee == "none"
+  assert _cls()(1.0, 1.1, certified=True).privacy_guarantee == "certified"
+
+
+def _cnn():
+  tf.keras.utils.set_random_seed(0)
+  return tf.keras.Sequential([
+      L.Input((6, 6, 1)), L.Conv2D(3, 3, activation="relu"), L.Flatten(),
+      L.Dense(5, activation="tanh"), L.Dense(3)])
+
+
+def _fit(optimizer, epochs=1):
+  rng = np.random.default_rng(0)
+  model = _cnn()
+  before = model.get_weights()
+  model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction="none"))
+  history = model.fit(rng.normal(size=(16, 6, 6, 1)), rng.integers(0, 3, 16), batch_size=B,
+                      epochs=epochs, verbose=0)
+  return model, before, history
+
+
+def test_step_events_use_true_sensitivity():
+  """Certified: Gaussian σ/(c√n), n the model's parameter count; nominal: the paper's σ."""
+  sigma, c, q = 1.1, 2.0, 256 / 60000
+  opt = _cls(tf.keras.optimizers.Adam)(1.0, sigma, output_range=c)
+  with pytest.raises(ValueError, match="optimizer.build"):
+    opt.step_event(q)
+  model, _, _ = _fit(opt)
+  n = model.count_params()
+  assert n == 3 * 3 * 3 + 3 + 48 * 5 + 5 + 5 * 3 + 3
+  assert opt.step_event(q) == accounting.step_event(sigma / (c * math.sqrt(n)), q)
+  assert opt.nominal_step_event(q) == accounting.step_event(sigma, q)
+  certified = _cls()(1.0, sigma, output_range=c, certified=True)
+  assert certified.step_event(q) == certified.nominal_step_event(q) == accounting.step_event(
+      sigma, q)
+
+
+@pytest.mark.parametrize("certified", [False, True])
+def test_fit_trains(certified):
+  opt = _cls(tf.keras.optimizers.Adam)(1.0, 0.5, certified=certified, num_microbatches=4,
+                                       learning_rate=0.01)
+  model, before, history = _fit(opt, epochs=2)
+  assert np.all(np.isfinite(history.history["loss"]))
+  assert all(not np.allclose(a, b) for a, b in zip(model.get_weights(), before))
+
+
+def test_config_round_trip():
+  cls = _cls(tf.keras.optimizers.Adam)
+  opt = cls(l2_norm_clip=1.5, noise_multiplier=1.1, output_range=2.0, active_range=4.0,
+            certified=True, chunk_size=16, num_microbatches=4, learning_rate=0.01)
+  config = opt.get_config()
+  clone = cls.from_config(config)
+  assert {k: config[k] for k in ("output_range", "active_range", "certified", "chunk_size")} == (
+      dict(output_range=2.0, active_range=4.0, certified=True, chunk_size=16))
+  assert clone.get_config() == config
+  assert clone.privacy_guarantee == "certified"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(output_range=0.0), "output_range"),
+    (dict(active_range=-1.0), "active_range"),
+    (dict(certified="yes"), "certified"),
+    (dict(chunk_size=0), "chunk_size"),
+])
+def test_bad_options(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _cls()(1.0, 1.0, **kwargs)

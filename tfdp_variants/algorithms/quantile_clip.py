@@ -1,0 +1,194 @@
+"""Quantile adaptive clipping (SPEC §3.2): Lin et al. 2020 Algorithm 2, and its private form.
+
+- ``method="direct"`` is the paper's baseline (Lin et al. 2020, Algorithm 2, after Thakkar et al.
+  2019): the threshold is the q-quantile of this batch's microbatch gradient norms, read straight
+  from the data (line 6), the gradients are clipped to it (line 7, FlatClip or PerlayerClip) and
+  noised with N(0, σ²C²), C the threshold (line 8).
+- ``method="geometric"`` is the private estimator of Andrew et al. (arXiv:1905.03871, Algorithm 1),
+  run by TF Privacy's `QuantileAdaptiveClipSumQuery`: the sum is clipped to the current clip C_t
+  and noised with σ·C_t; then the noised fraction of norms at or below C_t moves the clip,
+  C_{t+1} = C_t · exp(−η (b̃_t − q)), and C_{t+1} is kept as optimizer state.
+
+Flat clipping takes one threshold from the norms over all variables; per-layer clipping one per
+trainable variable (a "layer", SPEC §2), noised σC_k on variable k.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import dp_accounting
+import tensorflow as tf
+import tensorflow_probability as tfp
+from tensorflow_privacy.privacy.dp_query import quantile_adaptive_clip_sum_query
+
+from tfdp_variants import accounting
+from tfdp_variants import transforms
+from tfdp_variants.algorithms import base
+from tfdp_variants.per_example import PerExampleGradients
+
+METHODS = ("direct", "geometric")
+# TF Privacy's count query: records are ±0.5 (was at or below the clip, shifted), so its
+# L2 sensitivity is 0.5 (QuantileEstimatorQuery._construct_below_estimate_query).
+COUNT_SENSITIVITY = 0.5
+
+
+@base.register
+class QuantileClip(base.Algorithm):
+  """ĝ = (1/M)(Σ_m clip(g_m, C) + N(0, σ²C² I)), C the q-quantile of the norms (adaptive clipping).
+
+  Args:
+    quantile: q in (0, 1), the fraction of norms the clip should leave unclipped (TF Privacy's
+      `target_unclipped_quantile`; the paper uses 0.5).
+    per_layer: one threshold per trainable variable instead of one over all of them.
+    method: "direct" (the paper's Algorithm 2; heuristic) or "geometric" (Andrew et al.; certified).
+    clip_learning_rate: η, TF Privacy's `learning_rate` of the clip estimate (renamed so it does not
+      clash with the optimizer's): the clip changes by at most a factor exp(η) per step.
+      Andrew et al. recommend 0.2. Geometric only.
+    clipped_count_stddev: stddev of the noise on the count of norms at or below the clip. None means
+      `expected_num_records / 20`, as Andrew et al. recommend. Geometric only.
+    expected_num_records: the count's denominator; None means this batch's M, the denominator of
+      the gradient mean (SPEC §2). Geometric only.
+    geometric_update: C ← C·exp(−η(b̃ − q)) if True (TF Privacy's default), else C ← C − η(b̃ − q).
+  """
+
+  name = "quantile_clip"
+  class_prefix = "QuantileClip"
+  privacy_guarantee = "heuristic"  # Of the default method; instances set their own.
+
+  def __init__(self, l2_norm_clip: float, noise_multiplier: float, quantile: float = 0.5,
+               per_layer: bool = False, method: str = "direct", clip_learning_rate: float = 0.2,
+               clipped_count_stddev: Optional[float] = None,
+               expected_num_records: Optional[int] = None, geometric_update: bool = True):
+    super().__init__(l2_norm_clip, noise_multiplier)
+    if not 0 < quantile < 1:
+      raise ValueError(f"quantile must be in (0, 1), got {quantile!r}; the paper uses 0.5.")
+    if method not in METHODS:
+      raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if not clip_learning_rate >= 0:
+      raise ValueError(f"clip_learning_rate must be >= 0, got {clip_learning_rate!r}; Andrew et "
+                       "al. recommend 0.2.")
+    if expected_num_records is not None and not (isinstance(expected_num_records, int)
+                                                 and expected_num_records > 0):
+      raise ValueError(f"expected_num_records must be a positive int or None, got "
+                       f"{expected_num_records!r}; use the number of microbatches per batch.")
+    if method == "direct" and (clipped_count_stddev, expected_num_records) != (None, None):
+      raise ValueError("clipped_count_stddev and expected_num_records configure the private "
+                       "clip estimate: set method='geometric', or leave them None.")
+    if method == "geometric" and clipped_count_stddev is None:
+      if expected_num_records is None:
+        raise ValueError("method='geometric' needs the count noise for its privacy accounting: "
+                         "set clipped_count_stddev, or expected_num_records (the noise is then "
+                         "expected_num_records / 20, as Andrew et al. recommend).")
+      clipped_count_stddev = expected_num_records / 20
+    if clipped_count_stddev is not None and not 0 <= clipped_count_stddev < math.inf:
+      raise ValueError("clipped_count_stddev must be a finite number >= 0, got "
+                       f"{clipped_count_stddev!r}; Andrew et al. recommend "
+                       "expected_num_records / 20.")
+    self.quantile = float(quantile)
+    self.per_layer = bool(per_layer)
+    self.method = method
+    self.clip_learning_rate = float(clip_learning_rate)
+    self.clipped_count_stddev = clipped_count_stddev
+    self.expected_num_records = expected_num_records
+    self.geometric_update = bool(geometric_update)
+    self.privacy_guarantee = "certified" if method == "geometric" else "heuristic"
+    self.clip: Optional[tf.Variable] = None  # Geometric: C_t, one per layer if per_layer.
+    self._num_layers: Optional[int] = None
+
+  def get_config(self) -> dict:
+    return dict(quantile=self.quantile, per_layer=self.per_layer, method=self.method,
+                clip_learning_rate=self.clip_learning_rate,
+                clipped_count_stddev=self.clipped_count_stddev,
+                expected_num_records=self.expected_num_records,
+                geometric_update=self.geometric_update)
+
+  def build(self, variables, add_state: base.AddState) -> None:
+    """Geometric: the clip state C_0 = l2_norm_clip (one per variable if per_layer)."""
+    self._num_layers = len(variables)
+    if self.method == "geometric":
+      shape = [self._num_layers] if self.per_layer else []
+      self.clip = add_state("quantile_clip", tf.fill(shape, self.l2_norm_clip))
+
+  def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
+    norms = self._norms(grads)
+    if self.method == "direct":
+      bounds = [quantile_of(n, self.quantile) for n in norms]  # Alg. 2 line 6.
+      summed = self._clipped_sum(grads, bounds)  # Line 7.
+      stddevs = [self.noise_multiplier * b for b in bounds]  # Line 8: N(0, σ²C²).
+      noised = transforms.add_gaussian_noise(summed, stddevs if self.per_layer else stddevs[0])
+    else:
+      noised = self._private_step(grads, norms)
+    return transforms.mean_over_microbatches(noised, grads.num_microbatches)  # Line 8's 1/L.
+
+  def _norms(self, grads: PerExampleGradients) -> list[tf.Tensor]:
+    """The (M,) norms each bound is taken from: global, or one vector per variable."""
+    if self.per_layer:
+      return [tf.sqrt(s) for s in grads.squared_norms()]
+    return [grads.global_norms()]
+
+  def _clipped_sum(self, grads: PerExampleGradients, bounds: list[tf.Tensor]) -> list[tf.Tensor]:
+    """Σ_m clip(g_m, C) (FlatClip), or Σ_m clip(g_m^k, C_k) on each variable k (PerlayerClip)."""
+    if self.per_layer:
+      return transforms.per_layer_clipped_sum(grads, bounds)
+    return transforms.flat_clipped_sum(grads, bounds[0])
+
+  def _private_step(self, grads: PerExampleGradients, norms: list[tf.Tensor]
+                    ) -> list[tf.Tensor]:
+    """Andrew et al. Alg. 1 by TF Privacy's QuantileAdaptiveClipSumQuery, one query per bound.
+
+    The sample state a query would accumulate record by record is aggregated from the engine:
+    the clipped sum, and Σ_m (1[‖g_m‖ ≤ C_t] − ½) (QuantileEstimatorQuery.preprocess_record).
+    Its noised result is the noised sum and the next clip C_{t+1}, stored for the next step.
+    """
+    clips = tf.unstack(self.clip.read_value()) if self.per_layer else [self.clip.read_value()]
+    summed = self._clipped_sum(grads, clips)
+    parts = [[s] for s in summed] if self.per_layer else [summed]
+    num_records = (self.expected_num_records if self.expected_num_records is not None
+                   else grads.num_microbatches)
+    noised, new_clips = [], []
+    for clip, part, norm in zip(clips, parts, norms):
+      query = quantile_adaptive_clip_sum_query.QuantileAdaptiveClipSumQuery(
+          initial_l2_norm_clip=clip, noise_multiplier=self.noise_multiplier,
+          target_unclipped_quantile=self.quantile, learning_rate=self.clip_learning_rate,
+          clipped_count_stddev=self.clipped_count_stddev, expected_num_records=num_records,
+          geometric_update=self.geometric_update)
+      below = tf.reduce_sum(tf.cast(norm <= clip, tf.float32) - 0.5)
+      sample_state = query.initial_sample_state(part)._replace(sum_state=part,
+                                                               quantile_estimator_state=below)
+      result, state, _ = query.get_noised_result(sample_state, query.initial_global_state())
+      noised += result
+      new_clips.append(state.sum_state.l2_norm_clip)
+    update = self.clip.assign(tf.stack(new_clips) if self.per_layer else new_clips[0])
+    with tf.control_dependencies([update]):
+      return [tf.identity(t) for t in noised]
+
+  def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
+    """Geometric: the gradient sum and the count, composed on one Poisson sample; direct: None.
+
+    The count query's noise multiplier is its stddev over its sensitivity ½, as TF Privacy's own
+    event says. Per layer, K bounds give K gradient and K count queries: σ/√K and 2s/√K
+    (`accounting.per_layer_noise_multiplier`).
+    """
+    if self.method == "direct":
+      return None  # The threshold and the noise scale are functions of this batch's gradients.
+    layers = 1
+    if self.per_layer:
+      if self._num_layers is None:
+        raise ValueError("The per-layer event depends on the number of trainable variables: ask "
+                         "after the optimizer is built (after the first step, or after "
+                         "optimizer.build(model.trainable_variables)).")
+      layers = self._num_layers
+    count_sigma = self.clipped_count_stddev / COUNT_SENSITIVITY
+    mechanism = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(
+            accounting.per_layer_noise_multiplier(self.noise_multiplier, layers)),
+        dp_accounting.GaussianDpEvent(accounting.per_layer_noise_multiplier(count_sigma, layers)),
+    ])
+    return accounting.poisson_sampled(mechanism, sampling_probability)
+
+
+def quantile_of(norms: tf.Tensor, quantile: float) -> tf.Tensor:
+  """The q-quantile of `norms`, interpolated linearly between order statistics (NumPy's default)."""
+  return tfp.stats.percentile(norms, 100.0 * quantile, interpolation="linear")

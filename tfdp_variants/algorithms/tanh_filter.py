@@ -1,0 +1,116 @@
+"""Tanh-filter DP-SGD (Amian 2021, Algorithm 1; SPEC §3.6).
+
+Each microbatch gradient passes elementwise through the filter f(x) = c·tanh(x/k) in place of
+clipping, and noise N(0, σ² I) is added to the filtered sum. The paper accounts the step as DP-SGD
+with sensitivity 1, but f(g) can have L2 norm up to c·√n (n trainable parameters; Section III-A),
+so as published the step has no guarantee at the paper's ε. Both numbers are reported:
+`nominal_step_event` is the paper's (Gaussian, noise multiplier σ), `step_event` the one the step
+certifiably is (noise multiplier σ/(c·√n)). With `certified=True`, f(g) is also clipped to C and
+the noise is N(0, σ²C² I): DP-SGD's guarantee at σ.
+
+Example:
+  >>> import tensorflow as tf, tfdp_variants
+  >>> import tfdp_variants.algorithms.tanh_filter
+  >>> TanhFilterAdam = tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adam,
+  ...                                                        "tanh_filter")
+  >>> opt = TanhFilterAdam(l2_norm_clip=1.0, noise_multiplier=1.1, output_range=1.0,
+  ...                      active_range=2.0, learning_rate=1e-3)
+  >>> opt.privacy_guarantee
+  'none'
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import dp_accounting
+import tensorflow as tf
+
+from tfdp_variants import accounting
+from tfdp_variants import transforms
+from tfdp_variants import validation
+from tfdp_variants.algorithms import base
+from tfdp_variants.per_example import PerExampleGradients
+
+
+@base.register
+class TanhFilter(base.Algorithm):
+  """ĝ = (1/M)(Σ_m c·tanh(g_m/k) + N(0, σ² I)) (Algorithm 1); guarantee "none" as published.
+
+  Args:
+    l2_norm_clip: C, used only with `certified=True` (the paper's noise has no C).
+    noise_multiplier: σ.
+    output_range: c, the filter's output lies in (−c, c) (Section IV, Figs. 2-3).
+    active_range: k, the expansion of tanh's active range (Section IV, Figs. 4-5).
+    certified: also clip each filtered gradient to norm C and add N(0, σ²C² I).
+    chunk_size: microbatch gradients materialized at a time (memory against speed).
+  """
+
+  name = "tanh_filter"
+  class_prefix = "TanhFilter"
+  privacy_guarantee = "none"
+
+  def __init__(self, l2_norm_clip: float, noise_multiplier: float, output_range: float = 1.0,
+               active_range: float = 1.0, certified: bool = False, chunk_size: int = 32):
+    super().__init__(l2_norm_clip, noise_multiplier)
+    for option, value in (("output_range", output_range), ("active_range", active_range)):
+      if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+        raise ValueError(f"{option} must be a finite number > 0, got {value!r} (paper default "
+                         "1.0).")
+    if not isinstance(certified, bool):
+      raise ValueError(f"certified must be True or False, got {certified!r}.")
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+      raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; smaller uses "
+                       "less memory, larger is faster.")
+    self.output_range = float(output_range)
+    self.active_range = float(active_range)
+    self.certified = certified
+    self.chunk_size = chunk_size
+    self.privacy_guarantee = "certified" if certified else "none"
+    self.num_parameters: Optional[int] = None  # n, set by build().
+
+  def get_config(self) -> dict:
+    return dict(output_range=self.output_range, active_range=self.active_range,
+                certified=self.certified, chunk_size=self.chunk_size)
+
+  def build(self, variables: Sequence[tf.Variable], add_state: base.AddState) -> None:
+    self.num_parameters = sum(v.shape.num_elements() for v in variables)
+
+  def filter(self, g: tf.Tensor) -> tf.Tensor:
+    """f(x) = c·tanh(x/k), elementwise (Algorithm 1, line 7; Section IV)."""
+    return self.output_range * tf.tanh(g / self.active_range)
+
+  def _filtered_sum(self, chunk: list[tf.Tensor]) -> list[tf.Tensor]:
+    """Σ_m f(g_m) over a chunk of microbatches (Algorithm 1, lines 7-8)."""
+    return [tf.reduce_sum(self.filter(g), axis=0) for g in chunk]
+
+  def _clipped_filtered_sum(self, chunk: list[tf.Tensor]) -> list[tf.Tensor]:
+    """Σ_m clip(f(g_m), C) over a chunk, the norm over all variables (certified mode)."""
+    return transforms.clipped_rows_sum([self.filter(g) for g in chunk], self.l2_norm_clip)
+
+  def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
+    if self.certified:
+      summed = grads.reduce_chunks(self._clipped_filtered_sum, self.chunk_size)
+      stddev = self.noise_multiplier * self.l2_norm_clip
+    else:
+      summed = grads.reduce_chunks(self._filtered_sum, self.chunk_size)
+      stddev = self.noise_multiplier  # Algorithm 1, line 10: sensitivity taken as 1.
+    summed = [validation.assert_finite(s) for s in summed]
+    noised = transforms.add_gaussian_noise(summed, stddev)
+    return transforms.mean_over_microbatches(noised, grads.num_microbatches)
+
+  def step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
+    """The certified event: noise multiplier σ, or σ/(c·√n) without clipping (Section III-A)."""
+    if self.certified:
+      return accounting.step_event(self.noise_multiplier, sampling_probability)
+    if self.num_parameters is None:
+      raise ValueError("The tanh filter's sensitivity c·√n needs n, the number of trainable "
+                       "parameters, known once the optimizer is built: call step_event after "
+                       "the first step, or optimizer.build(model.trainable_variables) first.")
+    sensitivity = self.output_range * math.sqrt(self.num_parameters)
+    return accounting.step_event(self.noise_multiplier / sensitivity, sampling_probability)
+
+  def nominal_step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
+    """The paper's accounting: DP-SGD's event at σ, as if the sensitivity were 1 (Section IV-B)."""
+    return accounting.step_event(self.noise_multiplier, sampling_probability)
