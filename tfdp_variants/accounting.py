@@ -343,16 +343,18 @@ def mma_epsilon(*, noise_multiplier: float, sampling_probability: float,
     when σ == 0.
   """
   step_event(noise_multiplier, sampling_probability)  # Validates σ and q.
-  _check_mma_arguments(sampling_probability, steps, delta)
-  log_inv_delta = math.log(1 / delta)
-  if noise_multiplier == 0:
-    eps = math.inf
-  else:
-    eps = 2 * sampling_probability * log_inv_delta / (
-        noise_multiplier * math.sqrt(math.expm1(log_inv_delta / steps)))
-  moment_order = 2 * log_inv_delta / eps
+  product = _mma_sigma_times_epsilon(sampling_probability, steps, delta)
+  eps = math.inf if noise_multiplier == 0 else product / noise_multiplier
+  moment_order = 2 * math.log(1 / delta) / eps
   return MmaEpsilon(eps, moment_order, _mma_failed_conditions(
       noise_multiplier, sampling_probability, steps, delta, moment_order))
+
+
+def _mma_sigma_times_epsilon(sampling_probability: float, steps: int, delta: float) -> float:
+  """σ·ε = 2q·ln(1/δ) / √(δ^(−1/T) − 1), Theorem 3's closed form, after checking q, T, δ."""
+  _check_mma_arguments(sampling_probability, steps, delta)
+  log_inv_delta = math.log(1 / delta)
+  return 2 * sampling_probability * log_inv_delta / math.sqrt(math.expm1(log_inv_delta / steps))
 
 
 def mma_noise_multiplier(target_epsilon: float, sampling_probability: float,
@@ -364,11 +366,8 @@ def mma_noise_multiplier(target_epsilon: float, sampling_probability: float,
   """
   if not target_epsilon > 0:
     raise ValueError(f"target_epsilon must be > 0, got {target_epsilon}.")
-  _check_mma_arguments(sampling_probability, steps, delta)
-  log_inv_delta = math.log(1 / delta)
-  sigma = 2 * sampling_probability * log_inv_delta / (
-      target_epsilon * math.sqrt(math.expm1(log_inv_delta / steps)))
-  moment_order = 2 * log_inv_delta / target_epsilon
+  sigma = _mma_sigma_times_epsilon(sampling_probability, steps, delta) / target_epsilon
+  moment_order = 2 * math.log(1 / delta) / target_epsilon
   return MmaNoiseMultiplier(sigma, moment_order, _mma_failed_conditions(
       sigma, sampling_probability, steps, delta, moment_order))
 

@@ -60,33 +60,6 @@ def gram_of_gaussians(num: tf.Tensor, dim: tf.Tensor, stddev: float,
   return stddev**2 * tf.matmul(lower, lower, transpose_b=True)
 
 
-def gram_of_gaussians(num: tf.Tensor, dim: tf.Tensor, stddev: float,
-                      max_dim: Optional[int] = None) -> tf.Tensor:
-  """⟨β_i, β_j⟩ of `num` i.i.d. N(0, stddev² I_dim) vectors, without drawing them when dim is large.
-
-  Bartlett's decomposition: B = stddev² L Lᵀ ~ stddev² Wishart_num(dim, I), with L lower
-  triangular, L_ii² ~ χ²(dim − i), L_ij ~ N(0, 1) below the diagonal. When `max_dim` (a static
-  bound on dim) is at most _DIRECT_GRAM_MAX_DIM, the vectors are drawn and multiplied instead.
-  """
-  dim = tf.cast(dim, tf.float64)
-  if max_dim is not None and max_dim <= _DIRECT_GRAM_MAX_DIM:
-    x = tf.random.normal(tf.stack([num, tf.cast(dim, tf.int32)]), dtype=tf.float64)
-    return stddev**2 * tf.matmul(x, x, transpose_b=True)
-  dof = dim - tf.range(tf.cast(num, tf.float64), dtype=tf.float64)
-  with tf.control_dependencies([tf.debugging.assert_positive(
-      dof, "Bartlett sampling needs more parameters than microbatches.")]):
-    chi2 = 2.0 * tf.random.gamma([], dof / 2.0, dtype=tf.float64)
-  below = tf.linalg.band_part(tf.random.normal(tf.stack([num, num]), dtype=tf.float64), -1, 0)
-  lower = tf.linalg.set_diag(below, tf.sqrt(chi2))
-  return stddev**2 * tf.matmul(lower, lower, transpose_b=True)
-
-
-def _squared_norms(tensors: list[tf.Tensor]) -> tf.Tensor:
-  """||t_m||² over all tensors together, for each row m."""
-  return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1)
-                   for t in tensors])
-
-
 @base.register
 class NoisyGradient(base.Algorithm):
   """ĝ = (1/M) Σ_i clip(g_i + N(0, σ²C² I), C) (AC, Alg. 1), or DP-SGD's ĝ (CA, §4.2).
