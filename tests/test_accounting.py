@@ -268,3 +268,25 @@ def test_per_layer_noise_multiplier_equals_composed_gaussians():
   got = accounting.epsilon(accounting.per_layer_noise_multiplier(sigma, k), 1.0, 1, delta)
   assert got == pytest.approx(want, rel=1e-9)
   assert got > accounting.epsilon(sigma, 1.0, 1, delta)  # Not the flat σ.
+
+
+def test_noise_multiplier_for_another_step_event():
+  """Calibrating a step with an extra query (σ_n = 2σ, composed) against dp_accounting."""
+  q, steps, delta, target = 0.02, 500, 1e-5, 2.0
+
+  def step(sigma):
+    return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(sigma), dp_accounting.GaussianDpEvent(2 * sigma)]))
+
+  sigma = accounting.noise_multiplier_for(target, q, steps, delta, step_event_for=step)
+  eps = lambda s: dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(
+      dp_accounting.SelfComposedDpEvent(step(s), steps)).get_epsilon(delta)
+  assert eps(sigma) <= target < eps(sigma * 0.99)
+  assert sigma > accounting.noise_multiplier_for(target, q, steps, delta)  # The query costs.
+
+
+def test_unreachable_target_names_the_other_queries():
+  step = lambda sigma: dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(sigma), dp_accounting.GaussianDpEvent(0.5)])
+  with pytest.raises(ValueError, match="other queries"):
+    accounting.noise_multiplier_for(1.0, 1.0, 10, 1e-5, step_event_for=step)

@@ -1,14 +1,19 @@
 """The README's main job and the dataset loaders."""
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
 
+from absl import app
 import numpy as np
 import pytest
+import tensorflow as tf
 
+from tfdp_variants import accounting
 from tfdp_variants import data
+from tfdp_variants import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist_10k.npz"
@@ -37,14 +42,71 @@ def test_bad_datasets(tmp_path):
     data.load(f"npz:{tmp_path / 'bad.npz'}")
 
 
-def test_main_job_prints_accuracy_and_certified_epsilon():
+def _train(tmp_path, *flags):
   out = subprocess.run(
-      [sys.executable, "-m", "tfdp_variants.train", "--epochs=3", "--seed=0"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300,
+      [sys.executable, "-m", "tfdp_variants.train", f"--logdir={tmp_path}", *flags],
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "epoch 3: train accuracy" in out.stdout
-  final = out.stdout.strip().splitlines()[-1]
+  with open(tmp_path / "summary.json") as f:
+    return out.stdout, json.load(f)
+
+
+def _event_tags(directory):
+  tags = set()
+  for path in directory.rglob("events.out.tfevents*"):
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+      tags |= {value.tag for value in event.summary.value}
+  return tags
+
+
+def test_main_job_prints_accuracy_and_certified_epsilon(tmp_path):
+  """The README's command, shortened to 3 epochs."""
+  stdout, summary = _train(tmp_path, "--optimizer=adam", "--learning_rate=5e-3",
+                           "--batch_size=64", "--epochs=3", "--noise_multiplier=1.0",
+                           "--l2_norm_clip=1.0")
+  assert "epoch 3: certified ε = " in stdout and "guarantee: certified" in stdout
+  final = stdout.strip().splitlines()[-1]
   assert final.startswith("Test accuracy") and "(certified: DPAdam" in final
-  accuracy = float(final.split()[2])
-  assert accuracy > 0.25  # Three noisy epochs beat chance (0.1) by far (0.68 seen with seed 0).
+  assert summary["test_accuracy"] > 0.25  # Three noisy epochs beat chance (0.1) by far.
+  want = accounting.epsilon(1.0, 64 / 1438, 3 * 23, 1e-5)
+  assert summary["epsilon"] == pytest.approx(want, rel=1e-6) == summary["epsilon_nominal"]
+  assert summary["steps"] == 69 and summary["privacy_guarantee"] == "certified"
+  assert {"epoch_loss", "epoch_accuracy", "epsilon", "epsilon_nominal"} <= _event_tags(tmp_path)
+
+
+@pytest.mark.skipif(not MNIST.exists(), reason="../shared/data/mnist_10k.npz not present")
+def test_npz_run_calibrates_to_target_epsilon(tmp_path):
+  npz = tmp_path / "small.npz"
+  with np.load(MNIST) as f:
+    np.savez(npz, x_train=f["x_train"][:500], y_train=f["y_train"][:500],
+             x_test=f["x_test"][:100], y_test=f["y_test"][:100])
+  _, summary = _train(tmp_path, f"--dataset=npz:{npz}", "--target_epsilon=2", "--epochs=2",
+                      "--batch_size=50")
+  assert summary["model"] == "amian_cnn" and summary["steps"] == 20
+  assert summary["epsilon"] == pytest.approx(2.0, abs=0.01)
+  assert summary["epsilon"] <= 2.0
+  assert {"epoch_loss", "epsilon"} <= _event_tags(tmp_path)
+
+
+def test_algorithm_options_and_labels(tmp_path):
+  _, ac = _train(tmp_path, "--algorithm=noisy_gradient", "--epochs=1", "--batch_size=100",
+                 "--options=noise_sampling=direct,chunk_size=16")
+  assert ac["privacy_guarantee"] == "none" and ac["epsilon"] is None
+  assert ac["epsilon_nominal"] == pytest.approx(accounting.epsilon(1.1, 100 / 1438, 15, 1e-5))
+  assert ac["options"] == {"noise_sampling": "direct", "chunk_size": 16}
+
+
+def test_calibration_uses_the_algorithms_own_event(tmp_path):
+  """Adaptive clipping pays for its norm query: σ for ε = 3 is larger than DP-SGD's."""
+  _, summary = _train(tmp_path, "--algorithm=adaptive_clip", "--target_epsilon=3", "--epochs=1",
+                      "--batch_size=100", "--options=norm_noise_multiplier=20.0")
+  assert summary["epsilon"] == pytest.approx(3.0, abs=0.01)
+  assert summary["noise_multiplier"] > accounting.noise_multiplier_for(3.0, 100 / 1438, 15, 1e-5)
+
+
+def test_bad_options_flag():
+  with pytest.raises(app.UsageError, match="key=value"):
+    train.parse_options(["order"])
+  assert train.parse_options(["beta=0.5", "order=clip_then_noise", "certified=True"]) == {
+      "beta": 0.5, "order": "clip_then_noise", "certified": True}

@@ -2,6 +2,7 @@
 
 from tfdp_variants import accounting
 from tfdp_variants import algorithms
+from tfdp_variants import callbacks
 from tfdp_variants import large_batch
 from tfdp_variants import metrics
 from tfdp_variants import models

@@ -44,7 +44,7 @@ import dataclasses
 import json
 import math
 import numbers
-from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import attr
 import dp_accounting
@@ -230,12 +230,16 @@ def noise_multiplier_for(target_epsilon: float,
                          sampling_probability: float,
                          steps: int,
                          delta: float,
-                         method: str = "rdp") -> float:
+                         method: str = "rdp",
+                         step_event_for: Optional[Callable[[float], dp_accounting.DpEvent]]
+                         = None) -> float:
   """The smallest σ (within 1e-4) whose `epsilon` is at most `target_epsilon`.
 
   Uses `dp_accounting.calibrate_dp_mechanism`, as TF Privacy's
   `compute_noise_from_budget_lib.compute_noise` does; the closed forms
-  ("mma", "ma") are inverted exactly.
+  ("mma", "ma") are inverted exactly. `step_event_for(σ)` gives the event of
+  one step at noise multiplier σ when it is not DP-SGD's (e.g. an algorithm
+  with an extra query: `lambda s: algorithm_with(s).step_event(q)`).
   """
   if not target_epsilon > 0:
     raise ValueError(
@@ -245,22 +249,35 @@ def noise_multiplier_for(target_epsilon: float,
   _check_steps(steps, minimum=1)
   _check_delta(delta)
   if method in _CLOSED_FORMS:
+    if step_event_for is not None:
+      raise ValueError(f"method={method!r} is DP-SGD's closed form; it cannot "
+                       "account another step event: use 'rdp' or 'pld'.")
     return _CLOSED_FORMS[method].noise_multiplier(
         target_epsilon, sampling_probability, int(steps), delta)
+  if step_event_for is None:
+    step_event_for = lambda sigma: step_event(sigma, sampling_probability)
 
   def make_event(sigma: float) -> dp_accounting.DpEvent:
-    return dp_accounting.SelfComposedDpEvent(
-        step_event(sigma, sampling_probability), int(steps))
+    if sigma == 0:  # No noise: ε = ∞ (dp_accounting divides by σ inside composed events).
+      return dp_accounting.NonPrivateDpEvent()
+    return dp_accounting.SelfComposedDpEvent(step_event_for(sigma), int(steps))
 
-  return float(
-      dp_accounting.calibrate_dp_mechanism(
-          _accountant_factory(method),
-          make_event,
-          target_epsilon,
-          delta,
-          dp_accounting.LowerEndpointAndGuess(0.0, 1.0),
-          tol=_CALIBRATION_TOL,
-      ))
+  try:
+    return float(
+        dp_accounting.calibrate_dp_mechanism(
+            _accountant_factory(method),
+            make_event,
+            target_epsilon,
+            delta,
+            dp_accounting.LowerEndpointAndGuess(0.0, 1.0),
+            tol=_CALIBRATION_TOL,
+        ))
+  except dp_accounting.mechanism_calibration.NoBracketIntervalFoundError:
+    raise ValueError(
+        f"No noise multiplier reaches ε = {target_epsilon} in {steps} steps: "
+        "the step's other queries, whose noise σ does not set (e.g. adaptive "
+        "clipping's norm query), spend more than that alone. Raise their "
+        "noise, take fewer steps or a larger target.") from None
 
 
 # The conditions of the PIGDO paper's Theorem 3, in its notation (λ: the

@@ -1,20 +1,91 @@
-"""Datasets as NumPy arrays: the embedded default (`digits`) and local `.npz` files.
+"""Datasets as NumPy arrays, each paper's preprocessing, and Poisson-sampled batches.
 
-`load("digits")` needs no download: scikit-learn ships the 1,797 8×8 digits. `load("npz:PATH")`
-reads arrays `x_train y_train x_test y_test` (e.g. ../shared/data/mnist_10k.npz). Images come back
-as float32 in [0, 1] with a channel axis, labels as int32.
+    (x_train, y_train), (x_test, y_test) = data.load("cifar10", preprocessing="lin2020")
+
+Sources: `digits` (scikit-learn's 1,797 8×8 digits, embedded: no download), `npz:PATH` (a local
+file with arrays `x_train y_train x_test y_test`, e.g. ../shared/data/mnist_10k.npz) and the TFDS
+datasets `mnist`, `fashion_mnist`, `cifar10` and `svhn_cropped` (train and test splits; downloaded
+into TFDS' data dir on first use, so they need a network once). Images come back as float32 with a
+channel axis, labels as int32.
+
+Preprocessing (`PREPROCESSING`), applied to any source:
+  default         pixels scaled to [0, 1], shape kept.
+  lin2020         Lin et al. 2020 (§4.3, §5.1): colour images to grayscale and a centred 28×28 crop
+                  ("image cropping and grayscale processing"), so CIFAR-10 and SVHN fit the 28×28×1
+                  CNN and LSTM; MNIST-sized grayscale images pass unchanged.
+  vanderveen2018  Zhang et al. 2017 (Appendix A), the small AlexNet's input: a centred 28×28 crop,
+                  then per-image standardization (zero mean, unit variance).
+
+Training batches: `fit` on a shuffled dataset draws fixed-size batches; the RDP analysis of DP-SGD
+assumes Poisson sampling, each example in each step's batch independently with probability q.
+`poisson_batches` and `poisson_dataset` sample that way, so batch sizes vary (Binomial(N, q), mean
+q·N, possibly 0). Train on them with num_microbatches=None: a batch split into microbatches must
+divide evenly, which a random size does not.
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Callable, Iterator, Optional, Sequence
+
 import numpy as np
+import tensorflow as tf
 
 Split = tuple[np.ndarray, np.ndarray]
+
+TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10", "svhn_cropped")
+
+
+class DatasetUnavailableError(RuntimeError):
+  """A TFDS dataset is neither in the data dir nor downloadable (e.g. no network)."""
 
 
 def _images(x: np.ndarray, scale: float) -> np.ndarray:
   x = x.astype(np.float32) / scale
   return x[..., None] if x.ndim == 3 else x
+
+
+def _center_crop(x: np.ndarray, size: int, preprocessing: str) -> np.ndarray:
+  height, width = x.shape[1:3]
+  if height < size or width < size:
+    raise ValueError(f"The {preprocessing!r} preprocessing crops images to {size}×{size}, but "
+                     f"these are {height}×{width}.")
+  top, left = (height - size) // 2, (width - size) // 2
+  return x[:, top:top + size, left:left + size]
+
+
+def _lin2020(x: np.ndarray) -> np.ndarray:
+  """Grayscale (tf.image.rgb_to_grayscale's ITU-R 601 weights) and a centred 28×28 crop."""
+  if x.shape[-1] == 3:
+    x = x @ np.array([[0.2989], [0.5870], [0.1140]], np.float32)
+  return _center_crop(x, 28, "lin2020")
+
+
+def _vanderveen2018(x: np.ndarray) -> np.ndarray:
+  """A centred 28×28 crop, then tf.image.per_image_standardization."""
+  x = _center_crop(x, 28, "vanderveen2018")
+  axes = tuple(range(1, x.ndim))
+  std = np.maximum(x.std(axis=axes, keepdims=True), 1.0 / np.sqrt(np.prod(x.shape[1:])))
+  return ((x - x.mean(axis=axes, keepdims=True)) / std).astype(np.float32)
+
+
+PREPROCESSING: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "default": lambda x: x,
+    "lin2020": _lin2020,
+    "vanderveen2018": _vanderveen2018,
+}
+
+
+def _check_preprocessing(preprocessing: str) -> None:
+  if preprocessing not in PREPROCESSING:
+    raise ValueError(f"Unknown preprocessing {preprocessing!r}; choose one of "
+                     f"{', '.join(PREPROCESSING)}.")
+
+
+def preprocess(images: np.ndarray, preprocessing: str) -> np.ndarray:
+  """`images` (N, H, W, C) in [0, 1] after one of `PREPROCESSING`."""
+  _check_preprocessing(preprocessing)
+  return PREPROCESSING[preprocessing](images)
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
@@ -39,11 +110,82 @@ def load_npz(path: str) -> tuple[Split, Split]:
             (_images(f["x_test"], scale), f["y_test"].astype(np.int32)))
 
 
-def load(name: str) -> tuple[Split, Split]:
-  """`digits` or `npz:PATH`."""
+def load_tfds(name: str, data_dir: Optional[str] = None,
+              download: bool = True) -> tuple[Split, Split]:
+  """TFDS dataset `name` (one of `TFDS_DATASETS`), train and test, pixels scaled to [0, 1].
+
+  Raises DatasetUnavailableError, naming the offline alternatives, when TFDS can neither find the
+  prepared dataset in `data_dir` (TFDS' default when None) nor download it.
+  """
+  import tensorflow_datasets as tfds  # Imported here: only this loader needs TFDS.
+  try:
+    splits = tfds.load(name, split=["train", "test"], as_supervised=True, data_dir=data_dir,
+                       download=download)
+  except Exception as e:  # Network, missing data, or TFDS' own setup: all leave no dataset.
+    where = data_dir or "TFDS' default data dir"
+    raise DatasetUnavailableError(
+        f"TFDS could not load {name!r} from {where}{' or download it' if download else ''} "
+        f"({type(e).__name__}: {e}). Without a network, use 'digits' (embedded, no download) or "
+        "'npz:PATH' (a local .npz with x_train, y_train, x_test, y_test); or prepare the dataset "
+        "where there is one and point data_dir at it.") from e
+  out = []
+  for split in splits:  # Chunks keep memory near the arrays' own size.
+    chunks = list(tfds.as_numpy(split.batch(10_000)))
+    out.append((_images(np.concatenate([c[0] for c in chunks]), 255.0),
+                np.concatenate([c[1] for c in chunks]).astype(np.int32)))
+  return out[0], out[1]
+
+
+def load(name: str, preprocessing: str = "default", *, data_dir: Optional[str] = None,
+         download: bool = True) -> tuple[Split, Split]:
+  """`digits`, `npz:PATH` or a TFDS name (`TFDS_DATASETS`), after `preprocessing`.
+
+  `data_dir` and `download` go to TFDS (ignored for the other sources).
+  """
+  _check_preprocessing(preprocessing)  # Before any download.
   if name == "digits":
-    return load_digits()
-  if name.startswith("npz:"):
-    return load_npz(name[len("npz:"):])
-  raise ValueError(f"Unknown dataset {name!r}: use 'digits' (embedded, no download) or "
-                   "'npz:PATH' (a local file with x_train, y_train, x_test, y_test).")
+    train, test = load_digits()
+  elif name.startswith("npz:"):
+    train, test = load_npz(name[len("npz:"):])
+  elif name in TFDS_DATASETS:
+    train, test = load_tfds(name, data_dir, download)
+  else:
+    raise ValueError(f"Unknown dataset {name!r}: use 'digits' (embedded, no download), "
+                     "'npz:PATH' (a local file with x_train, y_train, x_test, y_test) or a TFDS "
+                     f"dataset ({', '.join(TFDS_DATASETS)}).")
+  return ((preprocess(train[0], preprocessing), train[1]),
+          (preprocess(test[0], preprocessing), test[1]))
+
+
+def poisson_batches(x: np.ndarray, y: np.ndarray, sampling_probability: float, steps: int,
+                    seed: int | Sequence[int] = 0) -> Iterator[Split]:
+  """`steps` batches of Poisson sampling: each example in each batch independently w.p. q.
+
+  The sampling the RDP/PLD analysis of DP-SGD assumes (Abadi et al. 2016 §3.1; Mironov et al.
+  2019), with q = `sampling_probability` and N = len(x): batch sizes are Binomial(N, q), of mean
+  q·N, and empty with probability (1 − q)^N. Examples keep their order within a batch. Train with
+  num_microbatches=None.
+  """
+  if not 0 < sampling_probability <= 1:
+    raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}.")
+  if len(x) != len(y):
+    raise ValueError(f"x and y differ in length: {len(x)} and {len(y)}.")
+  rng = np.random.default_rng(seed)
+  masks = (rng.random(len(x)) < sampling_probability for _ in range(steps))
+  return ((x[mask], y[mask]) for mask in masks)
+
+
+def poisson_dataset(x: np.ndarray, y: np.ndarray, sampling_probability: float, steps: int,
+                    seed: int = 0) -> tf.data.Dataset:
+  """`poisson_batches` as a tf.data.Dataset of `steps` variable-size batches, for `model.fit`.
+
+  Each pass over the dataset (each epoch of `fit(dataset, epochs=E)`) draws new batches, from
+  seed (`seed`, pass number), so a run is reproducible. `steps` = round(1/q) makes an epoch one
+  expected pass over the data. Use num_microbatches=None in the optimizer.
+  """
+  passes = itertools.count()
+  return tf.data.Dataset.from_generator(
+      lambda: poisson_batches(x, y, sampling_probability, steps, (seed, next(passes))),
+      output_signature=(tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
+                        tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)))
+  ).prefetch(tf.data.AUTOTUNE)

@@ -59,6 +59,9 @@ def add_gaussian_noise(tensors: Sequence[tf.Tensor],
 
 def mean_over_microbatches(tensors: Sequence[tf.Tensor], num_microbatches: tf.Tensor
                            ) -> list[tf.Tensor]:
-  """t / M: the noised sum divided by the number of microbatches, as TF Privacy does."""
-  return [t / tf.cast(num_microbatches, t.dtype) for t in tensors]
+  """t / M: the noised sum divided by the number of microbatches, as TF Privacy does.
+
+  An empty batch (possible with Poisson sampling) gives the noise alone, divided by 1.
+  """
+  return [t / tf.cast(tf.maximum(num_microbatches, 1), t.dtype) for t in tensors]
 

@@ -1,0 +1,541 @@
+"""Keras callbacks for DP training: ε per epoch, a privacy budget, TPVD, per-layer gradient norms.
+
+They run inside plain `model.fit`. Their values go into `logs` at epoch end, so History, the
+progress bar and any callback listed after them (e.g. `tf.keras.callbacks.TensorBoard`) see them;
+given a `log_dir`, they also write them with `tf.summary` (one event per epoch, step = epoch), so
+TensorBoard shows them.
+
+- `PrivacyLogger`: certified and nominal ε after each epoch, from ledgers of the steps run.
+- `PrivacyBudget`: stops training before the next step would take ε past a target.
+- `TPVDCallback`: TPVD (Lin et al. 2020) against reference weights or a non-private twin.
+- `LayerNormLogger`: per-variable per-example gradient-norm histograms and the clip fraction.
+
+Accounting. Keras does not tell callbacks the batch size (`params` holds only epochs, steps and
+verbosity), so the privacy callbacks take it: every step is accounted as a Poisson sample of rate
+q = batch_size / num_examples, the sampling the RDP and PLD analyses assume (fixed-size shuffled
+batches are the usual stand-in). Steps are counted from fit's batch hooks (a call to
+its train function with `steps_per_execution > 1` runs several); fit's last, partial batch of an
+epoch is one step at the full q, an upper bound (ε grows with q).
+
+Example:
+  >>> import numpy as np, tensorflow as tf, tfdp_variants
+  >>> from tfdp_variants import callbacks
+  >>> tf.keras.utils.set_random_seed(0)
+  >>> x, y = np.random.default_rng(0).normal(size=(50, 4)).astype("float32"), np.arange(50) % 3
+  >>> model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)])
+  >>> model.compile(optimizer=tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+  ...               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+  ...                                                                  reduction="none"))
+  >>> logger = callbacks.PrivacyLogger(num_examples=50, batch_size=10)
+  >>> budget = callbacks.PrivacyBudget(target_epsilon=4.5, num_examples=50, batch_size=10)
+  >>> tpvd = callbacks.TPVDCallback(twin_data=(x, y), batch_size=10)
+  >>> history = model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0,
+  ...                     callbacks=[logger, budget, tpvd])  # doctest: +NORMALIZE_WHITESPACE
+  epoch 1: certified ε = 3.839; nominal ε = 3.839 (RDP, δ=1e-05; guarantee: certified)
+  PrivacyBudget: stopped after step 7 at certified ε = 4.331 (RDP, δ=1e-05): step 8 would
+    reach ε = 4.508 > target 4.5.
+  epoch 2: certified ε = 4.331; nominal ε = 4.331 (RDP, δ=1e-05; guarantee: certified)
+  >>> sorted(history.history)
+  ['epsilon', 'epsilon_nominal', 'loss', 'tpvd']
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Union
+
+from absl import logging
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+
+from tfdp_variants import accounting
+from tfdp_variants import metrics
+from tfdp_variants import per_example
+from tfdp_variants.optimizers import DPOptimizerMixin
+
+ArrayLike = Union[np.ndarray, tf.Tensor]
+
+
+class _Summaries:
+  """Writes scalars and histograms to `log_dir` with tf.summary; nothing when log_dir is None."""
+
+  def __init__(self, log_dir: Optional[str]):
+    self.log_dir = log_dir
+    self._writer: Optional[tf.summary.SummaryWriter] = None
+
+  def write(self, step: int, scalars: dict[str, float],
+            histograms: Optional[dict[str, ArrayLike]] = None) -> None:
+    if self.log_dir is None:
+      return
+    if self._writer is None:
+      self._writer = tf.summary.create_file_writer(self.log_dir)
+    with self._writer.as_default(step=step):
+      for name, value in scalars.items():
+        tf.summary.scalar(name, value)
+      for name, values in (histograms or {}).items():
+        tf.summary.histogram(name, values)
+    self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+
+def _dp_optimizer(model: tf.keras.Model, who: str) -> DPOptimizerMixin:
+  optimizer = model.optimizer
+  if not isinstance(optimizer, DPOptimizerMixin):
+    raise TypeError(f"{who} needs a tfdp_variants DP optimizer (e.g. tfdp_variants.DPAdam), but "
+                    f"the model is compiled with {type(optimizer).__name__}.")
+  return optimizer
+
+
+def _epsilon_after(ledger: accounting.PrivacyLedger, event: dp_accounting.DpEvent, steps: int,
+                   delta: float, method: str) -> float:
+  """ε of the ledger's run followed by `steps` more steps of `event`."""
+  events = [ledger.dp_event()]
+  if steps:
+    events.append(dp_accounting.SelfComposedDpEvent(event, steps))
+  return accounting.epsilon_of_event(dp_accounting.ComposedDpEvent(events), delta, method)
+
+
+def _certified_epsilon(ledger: accounting.PrivacyLedger, delta: float,
+                       method: str) -> Optional[float]:
+  """The ledger's ε, or None when a step in it has no certified event."""
+  if any(isinstance(event, dp_accounting.NonPrivateDpEvent) for event, _ in ledger.entries):
+    return None
+  return ledger.epsilon(delta, method)
+
+
+class _StepCounter(tf.keras.callbacks.Callback):
+  """Calls `_on_steps(n)` after each call to fit's train function, which ran n steps.
+
+  Fit passes the index of the call's first step to on_train_batch_begin and of its last to
+  on_train_batch_end. `optimizer.iterations` is no substitute: over a dataset of unknown size
+  (e.g. from a generator) Keras 2.15 adds one to it, with no step, when the first epoch runs out.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self._first_step = 0
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self._first_step = batch
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._on_steps(batch - self._first_step + 1)
+
+  def _on_steps(self, steps: int) -> None:
+    raise NotImplementedError
+
+
+class _StepLedgers(_StepCounter):
+  """Records every training step's certified and nominal event into two ledgers.
+
+  The ledgers accumulate over `fit` calls; `tf.train.Checkpoint(ledger=cb.ledger)` saves one.
+
+  Attributes:
+    ledger: the certified events (`optimizer.step_event(q)`); a step with no certified event is
+      recorded as `dp_accounting.NonPrivateDpEvent` (no bound: ε = ∞).
+    nominal_ledger: the events the algorithm's paper accounts (`optimizer.nominal_step_event(q)`).
+  """
+
+  def __init__(self, num_examples: int, batch_size: int, delta: float, method: str):
+    super().__init__()
+    if not (isinstance(num_examples, numbers.Integral) and isinstance(batch_size, numbers.Real)
+            and 0 < batch_size <= num_examples):
+      raise ValueError(f"Need 0 < batch_size <= num_examples (an integer), got batch_size="
+                       f"{batch_size!r}, num_examples={num_examples!r}: the batch size passed to "
+                       "fit (the expected one for Poisson sampling) and the training set's size.")
+    accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, method)  # Checks δ, method.
+    self.num_examples = num_examples
+    self.batch_size = batch_size
+    self.sampling_probability = batch_size / num_examples
+    self.delta = delta
+    self.method = method
+    self.ledger = accounting.PrivacyLedger()
+    self.nominal_ledger = accounting.PrivacyLedger()
+    self._events: Optional[tuple[dp_accounting.DpEvent, dp_accounting.DpEvent]] = None
+
+  def on_train_begin(self, logs=None):
+    _dp_optimizer(self.model, type(self).__name__)
+    self._events = None
+    steps = self.params.get("steps")
+    per_epoch = self.num_examples / self.batch_size  # Fixed batches: ceil; Poisson: round(1/q).
+    if steps is not None and steps not in (math.ceil(per_epoch), round(per_epoch)):
+      logging.warning("%s: fit runs %d steps per epoch, but %d examples in batches of %g take "
+                      "%d: check that num_examples and batch_size are those given to fit.",
+                      type(self).__name__, steps, self.num_examples, self.batch_size,
+                      math.ceil(per_epoch))
+
+  def _step_events(self) -> tuple[dp_accounting.DpEvent, dp_accounting.DpEvent]:
+    """(certified, nominal) events of one step; once per fit, since accounting many is slow."""
+    if self._events is None:
+      optimizer = self.model.optimizer
+      certified = optimizer.step_event(self.sampling_probability)
+      self._events = (dp_accounting.NonPrivateDpEvent() if certified is None else certified,
+                      optimizer.nominal_step_event(self.sampling_probability))
+    return self._events
+
+  def _on_steps(self, steps: int) -> None:
+    certified, nominal = self._step_events()  # Per-layer algorithms know theirs once built.
+    self.ledger.record(certified, steps)
+    self.nominal_ledger.record(nominal, steps)
+
+
+class PrivacyLogger(_StepLedgers):
+  """Certified and nominal ε after every epoch, printed with the optimizer's guarantee label.
+
+  Puts `epsilon` (certified; left out when a step has no certified event) and `epsilon_nominal`
+  (what the algorithm's paper accounts) into `logs` and, with `log_dir`, into TensorBoard.
+
+  Args:
+    num_examples: N, the size of the training set.
+    batch_size: B, the batch size given to fit (for Poisson sampling, e.g.
+      `tfdp_variants.data.poisson_dataset`, the expected one q·N); each step is accounted at
+      q = B / N.
+    delta: δ of the reported ε.
+    log_dir: where tf.summary writes the scalars `epsilon` and `epsilon_nominal`; None: nowhere.
+    method: "rdp" or "pld" (`tfdp_variants.accounting`).
+
+  Attributes:
+    epsilon: the last epoch's certified ε; None when a step had no certified event.
+    epsilon_nominal: the last epoch's nominal ε.
+    ledger, nominal_ledger: the recorded steps (see `_StepLedgers`).
+  """
+
+  def __init__(self, num_examples: int, batch_size: int, delta: float = 1e-5,
+               log_dir: Optional[str] = None, method: str = "rdp"):
+    super().__init__(num_examples, batch_size, delta, method)
+    self._summaries = _Summaries(log_dir)
+    self.epsilon: Optional[float] = None
+    self.epsilon_nominal: Optional[float] = None
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.epsilon = _certified_epsilon(self.ledger, self.delta, self.method)
+    if self.ledger.entries == self.nominal_ledger.entries:
+      self.epsilon_nominal = self.epsilon
+    else:
+      self.epsilon_nominal = self.nominal_ledger.epsilon(self.delta, self.method)
+    values = {"epsilon_nominal": self.epsilon_nominal}
+    if self.epsilon is not None:
+      values["epsilon"] = self.epsilon
+    if logs is not None:
+      logs.update(values)
+    self._summaries.write(epoch, values)
+    certified = ("no certified ε" if self.epsilon is None else
+                 f"certified ε = {self.epsilon:.4g}")
+    print(f"epoch {epoch + 1}: {certified}; nominal ε = {self.epsilon_nominal:.4g} "
+          f"({self.method.upper()}, δ={self.delta:g}; guarantee: "
+          f"{self.model.optimizer.privacy_guarantee})", flush=True)
+
+  def on_train_end(self, logs=None):
+    self._summaries.close()
+
+
+class PrivacyBudget(_StepLedgers):
+  """Stops training (`model.stop_training`) before the next step would take ε past a target.
+
+  After every step it checks whether the steps of the next `train_function` call
+  (`model.steps_per_execution`, read at train begin: fit runs fewer only at an epoch's end) would
+  make ε exceed `target_epsilon`; if so it stops and prints why. The largest affordable step
+  count is computed once per fit by a search over step counts: 0.5 s with RDP for 18,000 steps
+  of MNIST-scale DP-SGD, 17 s with PLD (about a second per probe).
+
+  Args:
+    target_epsilon: the ε training must not exceed.
+    num_examples, batch_size, delta, method: as for `PrivacyLogger`.
+    nominal: budget the nominal ε (the paper's accounting, not a guarantee). Needed for
+      optimizers whose `privacy_guarantee` is not "certified"; otherwise fit raises ValueError.
+
+  Attributes:
+    max_steps: the total number of steps the budget allows (None until the step's event is known:
+      before the first step, or after it for per-layer algorithms, whose event needs the built
+      optimizer).
+    ledger, nominal_ledger: the recorded steps; restore the budgeted one to resume a run.
+
+  Raises (from fit):
+    ValueError: at train begin, for a certified budget on an optimizer without a certified
+      guarantee, with `steps_per_execution="auto"` (its tuner changes the number of steps a call
+      runs from another thread), or when the budget cannot afford the next steps at all.
+  """
+
+  def __init__(self, target_epsilon: float, num_examples: int, batch_size: int,
+               delta: float = 1e-5, method: str = "rdp", nominal: bool = False):
+    super().__init__(num_examples, batch_size, delta, method)
+    if not target_epsilon > 0:
+      raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}.")
+    self.target_epsilon = float(target_epsilon)
+    self.nominal = nominal
+    self.max_steps: Optional[int] = None
+    self._steps_ahead = 1
+
+  @property
+  def _kind(self) -> str:
+    return "nominal" if self.nominal else "certified"
+
+  def _budget(self) -> tuple[accounting.PrivacyLedger, dp_accounting.DpEvent]:
+    certified, nominal = self._step_events()
+    return (self.nominal_ledger, nominal) if self.nominal else (self.ledger, certified)
+
+  def _set_max_steps(self) -> None:
+    ledger, event = self._budget()
+
+    def affordable(steps: int) -> bool:
+      return _epsilon_after(ledger, event, steps, self.delta, self.method) <= self.target_epsilon
+
+    # Exponential then binary search for the largest affordable number of further steps.
+    low, high = 0, 1
+    while affordable(high):
+      low, high = high, 2 * high
+    while high - low > 1:
+      middle = (low + high) // 2
+      low, high = (middle, high) if affordable(middle) else (low, middle)
+    self.max_steps = ledger.steps + low
+
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    optimizer = self.model.optimizer
+    if not self.nominal and optimizer.privacy_guarantee != "certified":
+      raise ValueError(
+          f"PrivacyBudget needs a certified ε, but {type(optimizer).__name__} has "
+          f"privacy_guarantee={optimizer.privacy_guarantee!r}: its ε is no proven bound. Use the "
+          "algorithm's certified mode, or pass nominal=True to stop at the ε the paper accounts "
+          "(not a guarantee).")
+    if self.model.autotune_steps_per_execution:
+      raise ValueError("PrivacyBudget needs a fixed steps_per_execution to stop in time; compile "
+                       "with an integer instead of steps_per_execution='auto'.")
+    self._steps_ahead = int(self.model.steps_per_execution.numpy())
+    self.max_steps = None
+    try:
+      self._set_max_steps()
+    except ValueError:  # The event needs the built optimizer (per-layer algorithms): after step 1.
+      return
+    ledger, _ = self._budget()
+    if ledger.steps + self._steps_ahead > self.max_steps:
+      raise ValueError(
+          f"PrivacyBudget: the {self._kind} ε target {self.target_epsilon:g} allows "
+          f"{self.max_steps} steps and {ledger.steps} have run: the budget cannot afford the next "
+          f"{self._steps_ahead}. Raise target_epsilon or the noise multiplier.")
+
+  def _on_steps(self, steps: int) -> None:
+    super()._on_steps(steps)
+    if self.max_steps is None:
+      self._set_max_steps()
+    ledger, event = self._budget()
+    ahead = self._steps_ahead
+    if ledger.steps + ahead <= self.max_steps:
+      return
+    self.model.stop_training = True
+    now = _epsilon_after(ledger, event, 0, self.delta, self.method)
+    if now > self.target_epsilon:  # Only when the event was unknown before the first step.
+      why = (f"ε is past the target {self.target_epsilon:g} already: "
+             f"{type(self.model.optimizer).__name__} states its step's event only once built")
+    else:
+      after = _epsilon_after(ledger, event, ahead, self.delta, self.method)
+      why = (f"step {ledger.steps + ahead} would reach ε = {after:.4g} > target "
+             f"{self.target_epsilon:g}")
+    print(f"PrivacyBudget: stopped after step {ledger.steps} at {self._kind} ε = {now:.4g} "
+          f"({self.method.upper()}, δ={self.delta:g}): {why}.", flush=True)
+
+
+def _base_optimizer(optimizer: DPOptimizerMixin) -> tf.keras.optimizers.Optimizer:
+  """A new optimizer of the private optimizer's Keras base class, with its settings, no privacy."""
+  mro = type(optimizer).__mro__
+  base_cls = mro[mro.index(DPOptimizerMixin) + 1]
+  return base_cls.from_config(super(DPOptimizerMixin, optimizer).get_config())
+
+
+def _batch_mean(loss):
+  """`loss` averaged over the batch, as the DP optimizers average (clipped) per-example gradients.
+
+  A per-example (`reduction="none"`) loss in a non-private optimizer would follow the gradient of
+  the batch's sum instead.
+  """
+  if isinstance(loss, tf.keras.losses.Loss) and loss.reduction == tf.keras.losses.Reduction.NONE:
+    return type(loss).from_config(
+        {**loss.get_config(), "reduction": tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE})
+  return loss
+
+
+class TPVDCallback(_StepCounter):
+  """TPVD (`metrics.tpvd`, Lin et al. 2020 §4.5.3) of the model against a reference, per epoch.
+
+  The reference is either fixed (`reference`) or a non-private twin (`twin_data`): a clone of the
+  model with the same weights at the first train begin, compiled with `twin_optimizer` (default:
+  the private optimizer's Keras base class with the same settings, e.g. Adam for DPAdam) and the
+  model's loss averaged over the batch. At each epoch end the twin runs its `train_step` on the
+  next pass over `twin_data`, for as many steps as the private model ran that epoch, then TPVD is
+  taken. TPVD goes into `logs` as `tpvd` and, with `log_dir`, into TensorBoard.
+
+  The twin must see the batches fit trained on, in the same order; the callback cannot see fit's
+  data, so this is the caller's part:
+
+  - arrays: `fit(x, y, batch_size=B, shuffle=False)` with `twin_data=(x, y), batch_size=B` (fit's
+    default `shuffle=True` reshuffles at random each epoch: not reproducible);
+  - a tf.data.Dataset of batches with no shuffle, or
+    `shuffle(n, seed=s, reshuffle_each_iteration=False)`: pass the same dataset to both;
+  - `shuffle(n, seed=s)` reshuffling each epoch: the k-th pass over a dataset object (its k-th
+    iterator) is reproducible, but all passes over one object advance one seed sequence, so give
+    the twin a second copy of the pipeline built the same way, not the object given to fit. An
+    unseeded shuffle is not reproducible.
+
+  Each epoch, and each train begin, the twin opens a new pass over `twin_data`, as Keras 2.15's
+  fit does over its dataset (it opens one before its first epoch and drops it; the twin drops one
+  too), so that a reshuffling copy gives both models the same order epoch by epoch. Fit with
+  `steps_per_epoch` over a repeated dataset, which continues one pass across epochs, is not
+  mirrored.
+
+  Args:
+    reference: reference weights: a list of arrays (one per trainable variable), a Keras model
+      (its current trainable weights), or a path that `model.load_weights` reads (at the first
+      train begin).
+    twin_data: a tf.data.Dataset of (x, y) batches, or a tuple (x, y) of arrays with `batch_size`.
+    batch_size: the batch size given to fit, when `twin_data` is arrays.
+    twin_optimizer: the twin's (non-private) optimizer.
+    log_dir: where tf.summary writes the scalar `tpvd`; None: nowhere.
+
+  Attributes:
+    tpvd: the last epoch's TPVD.
+    twin: the twin model (None without `twin_data`).
+  """
+
+  def __init__(self, reference: Union[str, metrics.Weights, None] = None, *,
+               twin_data: Union[tf.data.Dataset, tuple[ArrayLike, ArrayLike], None] = None,
+               batch_size: Optional[int] = None,
+               twin_optimizer: Optional[tf.keras.optimizers.Optimizer] = None,
+               log_dir: Optional[str] = None):
+    super().__init__()
+    if (reference is None) == (twin_data is None):
+      raise ValueError("Pass exactly one of reference (weights, a model or a weights file) and "
+                       "twin_data (the training batches, for a non-private twin).")
+    if isinstance(twin_data, tuple):
+      if batch_size is None:
+        raise ValueError("twin_data=(x, y) needs batch_size, the one given to fit.")
+      twin_data = tf.data.Dataset.from_tensor_slices(twin_data).batch(batch_size)
+    elif batch_size is not None:
+      raise ValueError("batch_size is only for twin_data=(x, y); a dataset is already batched.")
+    elif twin_data is not None and not isinstance(twin_data, tf.data.Dataset):
+      raise TypeError(f"twin_data must be a tf.data.Dataset of (x, y) batches or a tuple (x, y), "
+                      f"got {type(twin_data).__name__}.")
+    if twin_data is None and twin_optimizer is not None:
+      raise ValueError("twin_optimizer is only for twin_data; a fixed reference trains nothing.")
+    self.reference = reference
+    self.twin_data = twin_data
+    self.twin_optimizer = twin_optimizer
+    self.twin: Optional[tf.keras.Model] = None
+    self.tpvd: Optional[float] = None
+    self._summaries = _Summaries(log_dir)
+    self._twin_step = None
+    self._epoch_steps = 0
+
+  def on_train_begin(self, logs=None):
+    if isinstance(self.reference, str):
+      loaded = tf.keras.models.clone_model(self.model)
+      loaded.load_weights(self.reference)
+      self.reference = [w.numpy() for w in loaded.trainable_weights]
+    if self.twin_data is None:
+      return
+    if self.twin is None:
+      self.twin = tf.keras.models.clone_model(self.model)
+      self.twin.set_weights(self.model.get_weights())
+      optimizer = self.twin_optimizer or _base_optimizer(
+          _dp_optimizer(self.model, "TPVDCallback without twin_optimizer"))
+      self.twin.compile(optimizer=optimizer, loss=_batch_mean(self.model.loss))
+      self._twin_step = tf.function(self.twin.train_step, reduce_retracing=True)
+    iter(self.twin_data)  # The pass fit opens and drops before its first epoch.
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch_steps = 0
+
+  def _on_steps(self, steps: int) -> None:
+    self._epoch_steps += steps
+
+  def _train_twin(self, steps: int) -> None:
+    ran = 0
+    for batch in self.twin_data.take(steps):
+      self._twin_step(batch)
+      ran += 1
+    if ran != steps:
+      raise ValueError(f"twin_data gave the twin {ran} batches, but fit ran {steps} steps this "
+                       "epoch: twin_data must yield the batches fit trains on, in the same order.")
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.twin is not None:
+      self._train_twin(self._epoch_steps)
+    self.tpvd = metrics.tpvd(self.twin if self.twin is not None else self.reference, self.model)
+    if logs is not None:
+      logs["tpvd"] = self.tpvd
+    self._summaries.write(epoch, {"tpvd": self.tpvd})
+
+  def on_train_end(self, logs=None):
+    self._summaries.close()
+
+
+def _tag(variable: tf.Variable) -> str:
+  return "grad_norm/" + variable.name.rsplit(":", 1)[0]
+
+
+class LayerNormLogger(tf.keras.callbacks.Callback):
+  """Per-example gradient norms on a fixed batch: per-variable histograms and the clip fraction.
+
+  Every `every_n_epochs` epochs, computes each microbatch's gradient norm per trainable variable
+  with the per-example engine (`tfdp_variants.per_example`, norms without materializing
+  gradients where a layer allows; the optimizer's `num_microbatches`, training mode) and the
+  fraction of microbatches whose norm over all variables exceeds the optimizer's `l2_norm_clip`
+  (adaptive algorithms move their bound away from it). `clip_fraction` goes into `logs`; with
+  `log_dir`, TensorBoard gets it and the histograms `grad_norm/<variable>` and `grad_norm/global`.
+
+  Args:
+    x, y: the fixed sample batch (its size must divide into the optimizer's num_microbatches).
+    loss_fn: per-example loss `loss_fn(y, y_pred)`, e.g. a Keras loss with reduction="none".
+    log_dir: where tf.summary writes; None: nowhere.
+    every_n_epochs: log after epochs n, 2n, ...
+
+  Attributes:
+    clip_fraction: the last logged clip fraction.
+    norms: the last logged norms, {tag: array of shape (M,)}, tags as in TensorBoard.
+  """
+
+  def __init__(self, x: ArrayLike, y: ArrayLike, loss_fn, log_dir: Optional[str] = None,
+               every_n_epochs: int = 1):
+    super().__init__()
+    if not (isinstance(every_n_epochs, int) and every_n_epochs > 0):
+      raise ValueError(f"every_n_epochs must be a positive int, got {every_n_epochs!r}.")
+    self.x = tf.convert_to_tensor(x)
+    self.y = tf.convert_to_tensor(y)
+    self.loss_fn = loss_fn
+    self.every_n_epochs = every_n_epochs
+    self.clip_fraction: Optional[float] = None
+    self.norms: dict[str, np.ndarray] = {}
+    self._summaries = _Summaries(log_dir)
+    self._norms_fn = None
+
+  def on_train_begin(self, logs=None):
+    model, loss_fn = self.model, self.loss_fn
+    num_microbatches = _dp_optimizer(model, "LayerNormLogger").num_microbatches
+
+    @tf.function
+    def norms(x, y):
+      losses = loss_fn(y, model(x, training=True))
+      grads = per_example.compute(losses, model.trainable_variables, num_microbatches)
+      return [tf.sqrt(s) for s in grads.squared_norms()]
+
+    self._norms_fn = norms
+
+  def on_epoch_end(self, epoch, logs=None):
+    if (epoch + 1) % self.every_n_epochs:
+      return
+    norms = [n.numpy() for n in self._norms_fn(self.x, self.y)]
+    self.norms = {_tag(v): n for v, n in zip(self.model.trainable_variables, norms)}
+    self.norms["grad_norm/global"] = np.sqrt(np.sum(np.square(norms), axis=0))
+    self.clip_fraction = float(np.mean(
+        self.norms["grad_norm/global"] > self.model.optimizer.l2_norm_clip))
+    if logs is not None:
+      logs["clip_fraction"] = self.clip_fraction
+    self._summaries.write(epoch, {"clip_fraction": self.clip_fraction}, self.norms)
+
+  def on_train_end(self, logs=None):
+    self._summaries.close()
