@@ -210,3 +210,34 @@ def test_local_response_normalization_round_trips():
   np.testing.assert_allclose(clone(x), model(x), rtol=1e-6)
   np.testing.assert_allclose(models.LocalResponseNormalization()(x),
                              tf.nn.local_response_normalization(x, 4, 1.0, 0.001 / 9, 0.75))
+
+
+# Options an algorithm needs beyond the defaults to run (ICGC-DP's β; geometric quantile's count).
+_NEEDED_OPTIONS = {"layered_clip": {"total_steps": 100}}
+
+
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_every_model_with_every_algorithm(name):
+  """Optimizers see a model only through the engine: one step of every algorithm, on one graph."""
+  tf.keras.utils.set_random_seed(0)
+  spec = models.MODELS[name]
+  model = models.get(name)
+  x = tf.random.stateless_uniform((2, *spec.input_shape), seed=[1, 2])
+  y = tf.constant([1, 3])
+  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=spec.logits, reduction="none")
+  variables = model.trainable_variables
+  steps = {}
+  for algorithm_name, cls in tfdp_variants.algorithms.REGISTRY.items():
+    algorithm = cls(1.0, 0.5, **_NEEDED_OPTIONS.get(algorithm_name, {}))
+    algorithm.build(variables, lambda _, value: tf.Variable(value))
+    steps[algorithm_name] = algorithm
+
+  @tf.function
+  def run():
+    grads = tfdp_variants.per_example.compute(loss_fn(y, model(x, training=True)), variables)
+    return {n: algorithm(grads) for n, algorithm in steps.items()}
+
+  for algorithm_name, update in run().items():
+    for g, v in zip(update, variables):
+      assert g.shape == v.shape, (algorithm_name, v.name)
+      assert np.all(np.isfinite(g.numpy())), (algorithm_name, v.name)
