@@ -413,8 +413,8 @@ class AccountantComparison:
     pld: PLD through dp_accounting (proven, the tightest here).
     mma_below_pld: MMA claims less than PLD, which is within its
       discretization of the true ε: MMA's number is then no valid guarantee
-      (for q = 0.01, σ = 2, δ = 1e-5 this happens for T ≤ 5, with all of
-      Theorem 3's conditions holding at T = 5).
+      (for q = 0.01, σ = 2, δ = 1e-5 this happens for T ≤ 7, with all of
+      Theorem 3's conditions holding for T = 4 to 7).
   """
   mma: MmaEpsilon
   ma: float
