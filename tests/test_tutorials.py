@@ -1,0 +1,81 @@
+"""Each tutorial runs at --smoke scale and writes its plots and results.json (CI runs them all)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _smoke(script: str, tmp_path, output_flag: str = "--output_dir"):
+  """Runs tutorials/<script> --smoke into tmp_path; returns (stdout, results.json)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), "MPLBACKEND": "Agg",
+         "TF_CPP_MIN_LOG_LEVEL": "2"}
+  proc = subprocess.run([sys.executable, str(ROOT / "tutorials" / script), "--smoke",
+                         f"{output_flag}={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout, json.loads((tmp_path / "results.json").read_text())
+
+
+def _assert_plots(tmp_path, *names):
+  for name in names:
+    assert (tmp_path / name).stat().st_size > 1000, name
+
+
+def test_lin2020_noisy_gradient(tmp_path):
+  _, results = _smoke("lin2020_noisy_gradient.py", tmp_path)
+  _assert_plots(tmp_path, "accuracy_loss.png", "tpvd.png")
+  assert results["epochs"] == 2
+  config = results["configs"]["σ=0.5, C=1.4"]
+  assert config["AC"]["guarantee"] == "none" and config["CA"]["guarantee"] == "certified"
+  assert 0 < config["AC"]["tpvd"] and 0 < config["CA"]["tpvd"]
+  assert "epsilon" not in config["AC"] and config["CA"]["epsilon"] > 0
+
+
+def test_amian2021_tanh_filter(tmp_path):
+  _, results = _smoke("amian2021_tanh_filter.py", tmp_path)
+  _assert_plots(tmp_path, "accuracy.png", "epsilon.png")
+  assert results["epochs"] == 2
+  tanh, dpsgd = results["runs"]["tanh c=1 k=1"], results["runs"]["DP-SGD"]
+  assert tanh["guarantee"] == "none" and dpsgd["guarantee"] == "certified"
+  assert abs(tanh["epsilon_nominal"] - dpsgd["epsilon_certified"]) < 1e-6
+  assert tanh["epsilon_certified"] > 100 * tanh["epsilon_nominal"]
+
+
+def test_ma2023_icgc_dp(tmp_path):
+  _, results = _smoke("ma2023_icgc_dp.py", tmp_path, "--out_dir")
+  _assert_plots(tmp_path, "accuracy_curves.png", "accuracy_bars.png")
+  for row in results["results"].values():
+    assert row["sigma"] > 0
+    assert row["dpsgd"]["guarantee"] == "certified"
+    assert row["icgc"]["guarantee"] == row["icgc_awf"]["guarantee"] == "heuristic"
+    for method in ("dpsgd", "icgc", "icgc_awf"):
+      assert 0 <= row[method]["test_accuracy"] <= 1
+
+
+def test_pigdo2022_accountants(tmp_path):
+  _, results = _smoke("pigdo2022_accountants.py", tmp_path, "--out_dir")
+  _assert_plots(tmp_path, "epsilon_vs_epochs.png")
+  remark = results["remark4_T40000"]
+  # The paper's Remark 4 (q = 0.01, σ = 2, δ = 1e-5, T = 40,000): MA 10.2, MMA 6.8.
+  assert round(remark["ma"], 1) == 10.2 and round(remark["mma"], 1) == 6.8
+  # The proven accountants are tighter than MMA there; MMA is below PLD at a few steps.
+  assert remark["pld"] < remark["rdp"] < remark["mma"]
+  assert results["mma_below_pld_with_all_conditions_met_steps"]
+
+
+def test_vanderveen2018_three_tools(tmp_path):
+  stdout, results = _smoke("vanderveen2018_three_tools.py", tmp_path)
+  _assert_plots(tmp_path, "memorization.png", "noise_per_example.png", "lr_scaling.png",
+                "adaptive_clipping.png")
+  assert set(results["sanity"]["memorization"]) == {"random_inputs", "random_labels"}
+  rows = results["noise_table"]["N=60000, E=10 (paper)"]
+  per_example = [r["noise_per_example"] for r in rows]
+  assert per_example == sorted(per_example, reverse=True)  # σ/B falls as B grows.
+  for run in {**results["lr_scaling"], **results["clipping"]}.values():
+    assert abs(run["epsilon"] - results["epsilon"]) < 0.05  # Every run spends the same budget.
+  assert "== Summary ==" in stdout
