@@ -165,11 +165,11 @@ def test_per_example_gradients_match_single_examples_on_the_fast_path(name):
   seen = {}
 
   @tf.function
-  def rules():
+  def rules(x, y):  # Data enter as arguments, as in fit: the engine proves their batch axis.
     seen["rules"] = per_example.compute(loss(y, model(x, training=True)),
                                         model.trainable_variables).rules
 
-  rules()
+  rules(x, y)
   assert set(seen["rules"]) <= {"outer", "rowsum"}  # No variable needs the slow fallback.
   ours = tfdp_variants.per_example_gradients(model, loss, x, y)
   for i in range(2):
@@ -188,14 +188,14 @@ def test_lin2020_cnn_per_example_gradients_with_its_dropout():
   seen = {}
 
   @tf.function
-  def run():
+  def run(x, y):
     losses = loss(y, model(x, training=True))
     grads = per_example.compute(losses, model.trainable_variables)
     seen["rules"] = grads.rules
     refs = [tf.gradients(losses[i], model.trainable_variables) for i in range(2)]
     return grads.materialize(), refs
 
-  ours, refs = run()
+  ours, refs = run(x, y)
   assert set(seen["rules"]) == {"outer", "rowsum"}
   for i in range(2):
     for g, r in zip(ours, refs[i]):

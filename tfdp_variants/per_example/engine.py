@@ -4,16 +4,23 @@
 `PerExampleGradients`: for each variable either a factor from its ops' inputs and output gradients
 (one ordinary backward pass serves them all), or the exact fallback, a Jacobian of the microbatch
 losses vectorized with `tf.vectorized_map`. It knows nothing of clipping or noise.
+
+It fails closed (SPEC §6): a variable the graph of the loss does not read gets a zero gradient only
+if no enclosing graph reads it either, and is refused otherwise; batch statistics are refused; and
+on the first step of each trace `self_check.guard` compares the result with exact gradients.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from absl import logging
 import tensorflow as tf
 
 from tfdp_variants import validation
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import rules
+from tfdp_variants.per_example import self_check as self_check_lib
 from tfdp_variants.per_example import trace
 
 Weights = tf.Tensor | Sequence[tf.Tensor]
@@ -93,52 +100,27 @@ def microbatch_losses(loss: tf.Tensor,
     loss = tf.reduce_mean(tf.reshape(loss, [batch, -1]), axis=1)
   if num_microbatches is None:
     return loss, batch
-  with tf.control_dependencies(validation.check_microbatches(loss, num_microbatches)):
-    loss = tf.identity(loss)
-  return tf.reduce_mean(tf.reshape(loss, [num_microbatches, -1]), axis=1), tf.constant(
-      num_microbatches)
+  m = tf.constant(num_microbatches)
+  checks = validation.check_microbatches(loss, num_microbatches)  # Raises now if B is static.
+  if checks:  # B known only at run time: every reshape by M waits for the check, so it fails first.
+    with tf.control_dependencies(checks):
+      loss, m = tf.identity(loss), tf.identity(m)
+  return tf.reduce_mean(tf.reshape(loss, [m, -1]), axis=1), m
 
 
 def _factor(use: trace.Use, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
-  """The factor of one use, from the op's inputs and the gradient of its output."""
-  op, shape, dtype = use.op, tuple(var.shape), var.dtype
-  grad = tf.cast(grad, dtype)
-  rows = lambda t, width: tf.reshape(tf.cast(t, dtype), [m, -1, width])
-  if use.kind in ("matmul", "matmul_t"):
-    a, d = rows(op.inputs[0], op.inputs[0].shape[-1]), rows(grad, grad.shape[-1])
-    return F.Outer(d, a, shape) if use.kind == "matmul_t" else F.Outer(a, d, shape)
-  if use.kind == "bias_add":
-    if op.get_attr("data_format") == b"NCHW":
-      grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
-    return F.RowSum(rows(grad, grad.shape[-1]), shape)
-  if use.kind == "gather":
-    return F.Gather(tf.reshape(op.inputs[1], [m, -1]), rows(grad, grad.shape[-1]), shape)
-  return _conv2d_factor(op, grad, rows, shape)
-
-
-def _conv2d_factor(op: tf.Operation, grad: tf.Tensor, rows, shape) -> F.Outer:
-  """Conv2D: g = Σ_p patch_pᵀ dz_p over output positions p (Opacus' unfold rule)."""
-  x = op.inputs[0]
-  kh, kw, cin, cout = op.inputs[1].shape
-  strides, dilations = op.get_attr("strides"), op.get_attr("dilations")
-  padding = op.get_attr("padding").decode()
-  if op.get_attr("data_format") == b"NCHW":
-    x, grad = tf.transpose(x, [0, 2, 3, 1]), tf.transpose(grad, [0, 2, 3, 1])
-    strides, dilations = [strides[i] for i in (0, 2, 3, 1)], [dilations[i] for i in (0, 2, 3, 1)]
-    pads = op.get_attr("explicit_paddings")
-    pads = [pads[j] for i in (0, 2, 3, 1) for j in (2 * i, 2 * i + 1)] if pads else pads
-  else:
-    pads = op.get_attr("explicit_paddings")
-  if padding == "EXPLICIT":
-    x = tf.pad(x, [[pads[2 * i], pads[2 * i + 1]] for i in range(4)])
-    padding = "VALID"
-  patches = tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, padding)
-  return F.Outer(rows(patches, kh * kw * cin), rows(grad, cout), shape)
+  """The factor of one use, from the op's inputs and the gradient of its output (`rules.py`)."""
+  return rules.factor(use.kind, use.op, grad, m, var)
 
 
 def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
               variables: Sequence[tf.Variable]) -> list[F.Dense]:
-  """Exact per-microbatch gradients: a Jacobian of the microbatch losses, vectorized."""
+  """Exact per-microbatch gradients: a Jacobian of the microbatch losses.
+
+  Vectorized with `tf.vectorized_map`, unless the forward pass holds an op that pfor converts
+  wrongly (`rules.PFOR_WRONG`, e.g. a grouped convolution): then one `tf.gradients` per microbatch
+  in a while loop (exact, M backward passes).
+  """
   sources = [trace._captured_handle(graph, v) for v in variables]
 
   def one(i):
@@ -147,56 +129,112 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
                                                                        v.shape)
             for g, v in zip(grads, variables)]
 
-  return [F.Dense(g) for g in tf.vectorized_map(one, tf.range(m))]
+  if rules.pfor_unsafe(mb_losses):
+    signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    grads = tf.map_fn(one, tf.range(m), fn_output_signature=signature)
+  else:
+    grads = tf.vectorized_map(one, tf.range(m))
+  return [F.Dense(g) for g in grads]
+
+
+def _unread(graph: tf.Graph, m: tf.Tensor, variables: Sequence[tf.Variable]) -> list[F.Dense]:
+  """Zero gradients for variables that `graph`, the graph of the loss, does not read.
+
+  Refused if a graph enclosing `graph` reads one: its value may then enter `graph` as data (a loop
+  body, a nested function's argument), a dependence no graph at hand can rule out.
+  """
+  outside = [v.name for v in variables if trace.read_outside(graph, v)]
+  if outside:
+    raise ValueError(
+        f"Cannot trace how the loss depends on {', '.join(outside)}: the graph of the loss "
+        f"({graph.name}) does not read these variables, but a graph enclosing it does, so their "
+        "values may reach the loss as data. Read the variables inside the function that computes "
+        "the loss, or leave them out of var_list if the loss does not use them.")
+  return [F.Dense(tf.zeros(tf.concat([[m], v.shape], 0), v.dtype)) for v in variables]
+
+
+def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Optional[int],
+           tape: Optional[tf.GradientTape]) -> PerExampleGradients:
+  """The Jacobian from `tape`: one backward pass per microbatch in a loop traced once (exact, no
+  pfor, and the tape is used once), refused if the backward pass meets batch statistics."""
+  if tape is None:
+    raise ValueError("Eager per-example gradients need the GradientTape that recorded the loss; "
+                     "or run inside tf.function (Keras' fit does) for the fast path.")
+  with tape:
+    mb_losses, m = microbatch_losses(loss, num_microbatches)
+  jacobian = tf.function(lambda: tape.jacobian(
+      mb_losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+      experimental_use_pfor=False)).get_concrete_function()
+  self_check_lib.refuse_in_backward(jacobian.graph)
+  logging.log_first_n(
+      logging.INFO, "Eager per-example gradients: layers that mix examples are recognized only by "
+      "their batch-normalization ops; in tf.function (Keras' default) the self-check tests any "
+      "layer.", 1)
+  return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m)
 
 
 def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
-            num_microbatches: Optional[int] = None,
-            tape: Optional[tf.GradientTape] = None) -> PerExampleGradients:
+            num_microbatches: Optional[int] = None, tape: Optional[tf.GradientTape] = None,
+            self_check: bool = True) -> PerExampleGradients:
   """Per-microbatch gradients of `variables` from per-example `loss` (shape (B,) or (B, ...)).
 
-  In a graph (Keras' `fit`, any `tf.function`) standard ops take the fast path. Eagerly, the
-  exact Jacobian is taken from `tape`, which must have recorded the forward pass.
+  In a graph (Keras' `fit`, any `tf.function`, nested ones and loops included) standard ops take
+  the fast path. Eagerly, the exact Jacobian is taken from `tape`, which must have recorded the
+  forward pass. Batch statistics in the loss are refused (`self_check.refuse_batch_statistics`).
+
+  Args:
+    loss: per-example losses, computed from the variables in this graph (or recorded by `tape`).
+    variables: the variables to differentiate.
+    num_microbatches: M; None means one microbatch per example.
+    tape: the GradientTape that recorded the loss (needed eagerly).
+    self_check: in a graph, compare the result with exact gradients on the first step after each
+      trace and refuse models that mix examples (`self_check.guard`). Later steps pay one variable
+      read and a `tf.cond`. XLA (jit_compile) needs it off: XLA drops assertions.
   """
   variables = list(variables)
   if tf.executing_eagerly():
-    if tape is None:
-      raise ValueError("Eager per-example gradients need the GradientTape that recorded the loss; "
-                       "or run inside tf.function (Keras' fit does) for the fast path.")
-    with tape:
-      mb_losses, m = microbatch_losses(loss, num_microbatches)
-    jac = tape.jacobian(mb_losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return PerExampleGradients(variables, [F.Dense(j) for j in jac], m)
+    return _eager(loss, variables, num_microbatches, tape)
 
   mb_losses, m = microbatch_losses(loss, num_microbatches)
+  self_check_lib.refuse_in_loss(mb_losses)
   graph = mb_losses.graph
-  uses = [trace.find_uses(graph, v) for v in variables]
+  # pylint: disable-next=protected-access
+  handles = [trace._captured_handle(graph, v) for v in variables]
+  uses = [None if h is None else trace.find_uses(h) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
   grads = dict(zip((u.op.name for u in fast),
                    tf.gradients(tf.reduce_sum(mb_losses), [u.output for u in fast])))
-  slow = [v for v, vu in zip(variables, uses) if vu is None]
+  slow = [v for v, h, vu in zip(variables, handles, uses) if h is not None and vu is None]
   slow_factors = iter(_fallback(mb_losses, m, graph, slow) if slow else [])
+  unread = iter(_unread(graph, m, [v for v, h in zip(variables, handles) if h is None]))
 
   factors = []
-  for var, var_uses in zip(variables, uses):
-    if var_uses is None:
+  for var, handle, var_uses in zip(variables, handles, uses):
+    if handle is None:
+      factors.append(next(unread))
+    elif var_uses is None:
       factors.append(next(slow_factors))
-      continue
-    parts = [_factor(u, grads[u.op.name], m, var) for u in var_uses
-             if grads[u.op.name] is not None]
-    factors.append(F.concat(parts, tuple(var.shape)) if parts else
-                   F.Dense(tf.zeros(tf.concat([[m], var.shape], 0), var.dtype)))
-  return PerExampleGradients(variables, factors, m)
+    else:
+      parts = [_factor(u, grads[u.op.name], m, var) for u in var_uses
+               if grads[u.op.name] is not None]  # None: tf.gradients proves no path to the loss.
+      factors.append(F.concat(parts, tuple(var.shape)) if parts else
+                     F.Dense(tf.zeros(tf.concat([[m], var.shape], 0), var.dtype)))
+  result = PerExampleGradients(variables, factors, m)
+  if not self_check:
+    return result
+  dtypes = {mb_losses.dtype, *(u.output.dtype for u in fast)}
+  return self_check_lib.guard(result, mb_losses, loss, handles, dtypes)
 
 
 def per_example_gradients(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, tf.Tensor],
                                                                     tf.Tensor],
-                          x, y, num_microbatches: Optional[int] = None) -> list[tf.Tensor]:
+                          x, y, num_microbatches: Optional[int] = None,
+                          self_check: bool = True) -> list[tf.Tensor]:
   """Per-microbatch gradients of `model.trainable_variables`, each of shape (M, *var.shape).
 
   `loss_fn(y, y_pred)` returns per-example losses (Keras losses with `reduction="none"`); microbatch
   m's gradient is that of the mean loss over its examples. The forward pass runs once, in training
-  mode.
+  mode; `self_check` as in `compute`.
 
   Example:
     >>> model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
@@ -210,6 +248,7 @@ def per_example_gradients(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, t
   @tf.function
   def run(x, y):
     losses = loss_fn(y, model(x, training=True))
-    return compute(losses, model.trainable_variables, num_microbatches).materialize()
+    return compute(losses, model.trainable_variables, num_microbatches,
+                   self_check=self_check).materialize()
 
   return run(x, y)

@@ -6,6 +6,7 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 * `Outer`  (MatMul, Conv2D): g_m = Σ_t A[m, t]ᵀ D[m, t], rows t = an example's positions.
 * `RowSum` (BiasAdd):       g_m = Σ_t D[m, t].
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
+* `Columns` (grouped conv): g_m = [g_m¹ … g_mᴳ], one factor per block of the last axis.
 * `Dense`  (exact fallback): the materialized tensor G[m].
 
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
@@ -49,9 +50,16 @@ class Outer:
     return t > 1 and t * k * o <= t * t * (k + o) and k * o <= _MAX_MATERIALIZED_ELEMENTS
 
   def _full(self) -> tf.Tensor:
-    if self._materialized is None:
+    # Cached per graph: a value computed inside a tf.cond branch cannot be used outside it.
+    if self._cached() is None:
       self._materialized = tf.einsum("mtk,mto->mko", self.a, self.d)
     return self._materialized
+
+  def _cached(self) -> Optional[tf.Tensor]:
+    m = self._materialized
+    if m is None or (hasattr(m, "graph") and m.graph is not tf.compat.v1.get_default_graph()):
+      return None
+    return m
 
   def squared_norms(self) -> tf.Tensor:
     if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²
@@ -64,7 +72,7 @@ class Outer:
     return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    if self._materialized is not None:
+    if self._cached() is not None:
       return tf.reshape(tf.tensordot(w, self._materialized, 1), self.shape)
     return tf.reshape(tf.einsum("mtk,mto->ko", self.a, self.d * w[:, None, None]), self.shape)
 
@@ -77,12 +85,12 @@ class Outer:
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
     x = tf.reshape(x, [self.a.shape[2], self.d.shape[2]])
-    if self._materialized is not None:
+    if self._cached() is not None:
       return tf.einsum("mko,ko->m", self._materialized, x)
     return tf.einsum("mtk,ko,mto->m", self.a, x, self.d)
 
   def materialize(self, start, stop) -> tf.Tensor:
-    if self._materialized is not None:
+    if self._cached() is not None:
       g = self._materialized[start:stop]
     else:
       g = tf.einsum("mtk,mto->mko", self.a[start:stop], self.d[start:stop])
@@ -118,7 +126,8 @@ class RowSum:
 
 @dataclasses.dataclass
 class Gather:
-  """g_m = Σ_t onehot(I[m,t]) ⊗ D[m,t]; I: (M, T) row ids, D: (M, T, O), table (V, O)."""
+  """g_m = Σ_t onehot(I[m,t]) ⊗ D[m,t]; I: (M, T) row ids, D: (M, T, O), table (V, ...) of O
+  elements per row."""
 
   ids: tf.Tensor
   d: tf.Tensor
@@ -126,14 +135,19 @@ class Gather:
 
   rule = "gather"
 
+  @property
+  def _width(self) -> int:
+    return self.d.shape[-1]
+
   def squared_norms(self) -> tf.Tensor:
     same_row = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.d.dtype)
     gram_d = tf.einsum("mto,mso->mts", self.d, self.d)
     return tf.reduce_sum(same_row * gram_d, axis=[1, 2])
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    rows = tf.reshape(self.d * w[:, None, None], [-1, self.shape[-1]])
-    return tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0])
+    rows = tf.reshape(self.d * w[:, None, None], [-1, self._width])
+    return tf.reshape(
+        tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0]), self.shape)
 
   def gram(self) -> tf.Tensor:
     same_row = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
@@ -141,7 +155,7 @@ class Gather:
     return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", self.d, self.d), axis=[2, 3])
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
-    return tf.einsum("mto,mto->m", tf.gather(x, self.ids), self.d)
+    return tf.einsum("mto,mto->m", tf.gather(tf.reshape(x, [self.shape[0], -1]), self.ids), self.d)
 
   def materialize(self, start, stop) -> tf.Tensor:
     ids, d = self.ids[start:stop], self.d[start:stop]
@@ -149,8 +163,40 @@ class Gather:
     vocab = self.shape[0]
     offsets = ids + tf.range(count, dtype=ids.dtype)[:, None] * vocab
     rows = tf.math.unsorted_segment_sum(
-        tf.reshape(d, [-1, self.shape[-1]]), tf.reshape(offsets, [-1]), count * vocab)
+        tf.reshape(d, [-1, self._width]), tf.reshape(offsets, [-1]), count * vocab)
     return tf.reshape(rows, (count, *self.shape))
+
+
+@dataclasses.dataclass
+class Columns:
+  """g_m = reshape([g_m¹ … g_mᴳ], shape): `parts` give blocks of the last axis (a grouped conv's
+  kernel: group g's output channels, each block its own `Outer`)."""
+
+  parts: list
+  shape: tuple[int, ...]
+
+  rule = "grouped"
+
+  def _join(self, blocks: list[tf.Tensor]) -> tf.Tensor:
+    return tf.concat([tf.reshape(b, [-1, *p.shape]) for b, p in zip(blocks, self.parts)], -1)
+
+  def squared_norms(self) -> tf.Tensor:
+    return tf.add_n([p.squared_norms() for p in self.parts])
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(self._join([p.weighted_sum(w) for p in self.parts]), self.shape)
+
+  def gram(self) -> tf.Tensor:
+    return tf.add_n([p.gram() for p in self.parts])
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    x = tf.reshape(x, [-1, sum(p.shape[-1] for p in self.parts)])
+    blocks = tf.split(x, [p.shape[-1] for p in self.parts], axis=-1)
+    return tf.add_n([p.dots(b) for p, b in zip(self.parts, blocks)])
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    return tf.reshape(self._join([p.materialize(start, stop) for p in self.parts]),
+                      (-1, *self.shape))
 
 
 @dataclasses.dataclass
@@ -178,7 +224,7 @@ class Dense:
     return self.g[start:stop]
 
 
-Factor = Outer | RowSum | Gather | Dense
+Factor = Outer | RowSum | Gather | Columns | Dense
 
 
 def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:

@@ -2,22 +2,25 @@
 
 Keras 2 runs `train_step` inside a `tf.function`, so when the optimizer is asked for gradients the
 whole forward pass is already a graph. Each trainable variable enters it through a captured resource
-handle; following the handle's consumers tells which ops use the variable. Where every use is an op
-with a per-example rule (MatMul, Conv2D, BiasAdd, ResourceGather, possibly behind reshapes or casts),
-the variable takes the fast path; otherwise the exact fallback.
+handle; following the handle's consumers tells which ops use the variable. Where every use matches a
+rule of `rules.py` (MatMul, Conv2D, BiasAdd, ResourceGather, possibly behind reshapes or casts) the
+variable takes the fast path; otherwise the exact fallback.
 
-This reads the ops Keras actually emitted, so Sequential, functional and subclassed models, shared
-layers and unrolled RNN cells are handled alike, with no change to the model. Like Opacus and TF
-Privacy's fast clipping, it assumes a rule's input has examples along its leading axis (Keras'
-convention for layer inputs), a leading axis of B·T rows being B examples of T rows each.
+A rule groups the rows of its op's input by example, so it must know that the input has the
+examples on axis 0. `batch_axis` proves it: it tracks the batch axis from the data entering the step
+through every op of the forward pass, with one table of per-op rules (`_AXIS_RULES`); an op without
+a rule makes the axis unknown and the variable takes the exact fallback (fail closed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 import tensorflow as tf
+
+from tfdp_variants.per_example import rules
 
 # Ops between a variable read and its use that only change shape or dtype: the per-example gradient
 # of the used tensor, reshaped to the variable's shape, is the variable's.
@@ -28,8 +31,8 @@ _PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast
 class Use:
   """One op that uses a variable and has a per-example rule.
 
-  kind: "matmul" (var is MatMul's right operand), "matmul_t" (same, transpose_b), "conv2d",
-  "bias_add" or "gather"; `op` the op; `output` the tensor whose gradient the rule needs.
+  kind: a key of `rules.RULES` ("matmul", "matmul_t", "conv", "grouped_conv", "bias_add",
+  "gather"); `op` the op; `output` the tensor whose gradient the rule needs.
   """
 
   kind: str
@@ -41,21 +44,58 @@ class Use:
 
 
 def _captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
-  """The placeholder through which `graph` (or a graph it is nested in) sees `var`."""
+  """The tensor through which `graph` reads `var`'s resource handle; None if it does not read it.
+
+  A function graph captures the handle of each variable it reads: the eager handle itself, or the
+  placeholder through which an enclosing function graph sees it. A graph nested in a function (a
+  while-loop body: a step inside `tf.range` or a dataset loop, Keras' `steps_per_execution`; a
+  `tf.function` called from one: Keras' `jit_compile`, an inner step function) captures the eager
+  handle directly while it is traced, before its enclosing graph captures anything.
+  """
   handle = var.handle
   if getattr(handle, "graph", None) is graph:  # A variable created inside this graph.
     return handle
+  seen_as = [handle]
   outer = getattr(graph, "outer_graph", None)
-  if outer is not None and hasattr(outer, "captures"):  # A function nested in a function.
-    handle = _captured_handle(outer, var)
-  for external, internal in graph.captures:
-    if external is handle:
+  if outer is not None and hasattr(outer, "captures"):
+    outer_handle = _captured_handle(outer, var)
+    if outer_handle is not None:
+      seen_as.append(outer_handle)
+  for external, internal in getattr(graph, "captures", ()):
+    if any(external is h for h in seen_as):
       return internal
   return None
 
 
-def _same(a: tf.Tensor, b: tf.Tensor) -> bool:
-  return a.name == b.name
+def read_outside(graph: tf.Graph, var: tf.Variable) -> bool:
+  """Whether a graph enclosing `graph` reads `var` (whose value may then enter `graph` as data)."""
+  outer = getattr(graph, "outer_graph", None)
+  while outer is not None and hasattr(outer, "captures"):
+    if _captured_handle(outer, var) is not None:
+      return True
+    outer = getattr(outer, "outer_graph", None)
+  return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-axis analysis.
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """Where a tensor's examples lie: `axis` None for a tensor that depends on no example.
+
+  `block`: the block shape of a SpaceToBatchND (a dilated conv) whose axis 0 is (block, example)
+  until the BatchToSpaceND of the same block shape restores example-major order.
+  """
+
+  axis: Optional[int]
+  block: tuple = ()
+
+
+NO_BATCH = Batch(None)
+_DATA = Batch(0)
+Info = Optional[Batch]  # None: unknown (examples may be mixed or reordered).
 
 
 def _const(t: tf.Tensor):
@@ -63,75 +103,410 @@ def _const(t: tf.Tensor):
   return None if value is None else value.tolist()
 
 
-def _axis(axis: int, rank: Optional[int]) -> Optional[int]:
+def _rank(t: tf.Tensor) -> Optional[int]:
+  return t.shape.rank
+
+
+def _norm(axis: int, rank: Optional[int]) -> Optional[int]:
   return axis if axis >= 0 else (None if rank is None else axis + rank)
 
 
-def _squeeze(op, b):
-  dims = [_axis(d, op.inputs[0].shape.rank) for d in op.get_attr("squeeze_dims")]
-  return None if not dims or None in dims or b in dims else b - sum(d < b for d in dims)
+def _first(op: tf.Operation, ins: list[Info]) -> Info:
+  return ins[0]
 
 
-def _unpack(op, b):
-  a = _axis(op.get_attr("axis"), op.inputs[0].shape.rank)
-  return None if a is None or a == b else b - (a < b)
+def _broadcast(op: tf.Operation, ins: list[Info]) -> Info:
+  """Elementwise ops: batched inputs must agree on the output axis (right-aligned broadcasting)."""
+  out_rank, axes = _rank(op.outputs[0]), set()
+  for t, info in zip(op.inputs, ins):
+    if info.axis is not None:
+      if out_rank is None or _rank(t) is None:
+        return None
+      axes.add(info.axis + out_rank - _rank(t))
+  return Batch(axes.pop()) if len(axes) == 1 else None
 
 
-def _strided_slice(op, b):
-  strides = _const(op.inputs[3])
-  whole = (op.get_attr("begin_mask") >> b & 1 and op.get_attr("end_mask") >> b & 1
-           and not op.get_attr("shrink_axis_mask") >> b & 1)
-  plain = not (op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"))
-  return b if whole and plain and strides is not None and strides[b] == 1 else None
+def _matmul(op: tf.Operation, ins: list[Info]) -> Info:
+  """MatMul keeps axis 0 of its left operand (rows), never a contracted axis."""
+  a, b = ins[:2]
+  if b.axis is None and a.axis == 0 and not op.get_attr("transpose_a"):
+    return a
+  return None
 
 
-def _pad(op, b):
-  pads = _const(op.inputs[1])
-  return b if pads is not None and pads[b] == [0, 0] else None
+def _batch_matmul(op: tf.Operation, ins: list[Info]) -> Info:
+  """BatchMatMul: batched operands agree on a leading (broadcast) axis, or the left's row axis."""
+  rank = _rank(op.outputs[0])
+  if rank is None or op.get_attr("adj_x"):
+    return None
+  axes = set()
+  for t, info, is_left in zip(op.inputs, ins, (True, False)):
+    if info.axis is None:
+      continue
+    axis = info.axis + rank - _rank(t)
+    if not (axis < rank - 2 or (is_left and axis == rank - 2)):
+      return None
+    axes.add(axis)
+  return Batch(axes.pop()) if len(axes) == 1 else None
 
 
-# How a layout op moves the batch axis b of its first input (None: examples may be reordered or
-# mixed, so the rule's row grouping cannot be trusted and the variable takes the fallback).
-_LAYOUT = {
-    "Identity": lambda op, b: b,
-    "Cast": lambda op, b: b,
-    "ExpandDims": lambda op, b: (
-        None if (d := _const(op.inputs[1])) is None
-        else b + (_axis(d, op.inputs[0].shape.rank + 1) <= b)),
-    "Squeeze": _squeeze,
-    "Transpose": lambda op, b: None if (p := _const(op.inputs[1])) is None else p.index(b),
-    "Unpack": _unpack,
-    "Reshape": lambda op, b: 0 if b == 0 else None,  # Rows stay example-major (checked in-graph).
-    "StridedSlice": _strided_slice,
-    "Pad": _pad,
-    "PadV2": _pad,
-    "MirrorPad": _pad,
-    "SpaceToBatchND": lambda op, b: None,
-    "BatchToSpaceND": lambda op, b: None,
-    "ReverseV2": lambda op, b: None,
-    "GatherV2": lambda op, b: None,
-    "ConcatV2": lambda op, b: None if _const(op.inputs[-1]) in (b, None) else b,
-    "Tile": lambda op, b: None,
-    "Slice": lambda op, b: None,
-}
+def _einsum(op: tf.Operation, ins: list[Info]) -> Info:
+  """Einsum keeps the batch label when every batched operand has it and the output keeps it."""
+  equation = op.get_attr("equation").decode()
+  if "." in equation:
+    return None
+  lhs, out = equation.split("->")
+  labels = set()
+  for spec, info in zip(lhs.split(","), ins):
+    if info.axis is not None:
+      labels.add(spec[info.axis])
+  label = labels.pop() if len(labels) == 1 else None
+  if label is None or label not in out:
+    return None
+  if any(info.axis is None and label in spec for spec, info in zip(lhs.split(","), ins)):
+    return None  # An unbatched operand indexed by the batch label (e.g. a (B, ...) constant).
+  return Batch(out.index(label))
 
 
-def batch_leading(t: tf.Tensor) -> bool:
-  """Whether `t` keeps examples along axis 0.
+def _spatial(op: tf.Operation, ins: list[Info]) -> Info:
+  """Convolution, pooling, resizing: axis 0 of the data input is kept, other inputs unbatched."""
+  data = 2 if op.type.endswith("BackpropInput") else 0  # Conv*Transpose: (sizes, filter, dz).
+  if ins[data].axis == 0 and all(i.axis is None for j, i in enumerate(ins) if j != data):
+    return ins[data]
+  return None
 
-  Follows layout ops (reshapes, transposes, unstacks, ...) back to the op that computed `t`'s data,
-  assumed example-major like any Keras layer's output, and tracks where the batch axis moves.
+
+def _fused_batch_norm(op: tf.Operation, ins: list[Info]) -> Info:
+  """Training mode normalizes over all axes but the channel: per-example only if that is the batch.
+
+  Keras' LayerNormalization runs it on a (1, B·T, K, 1) NCHW reshape of its input.
   """
-  chain = []
-  while t.op.type in _LAYOUT:
-    chain.append(t.op)
-    t = t.op.inputs[0]
-  b = 0
-  for op in reversed(chain):
-    b = _LAYOUT[op.type](op, b)
-    if b is None:
-      return False
-  return b == 0
+  if any(i.axis is not None for i in ins[1:]) or ins[0].axis is None:
+    return None
+  channel = 1 if op.get_attr("data_format") in (b"NCHW", b"NCDHW") else _rank(op.inputs[0]) - 1
+  if not op.get_attr("is_training") or ins[0].axis == channel:
+    return ins[0]
+  return None
+
+
+def _reduce(op: tf.Operation, ins: list[Info]) -> Info:
+  """Reductions over non-batch axes shift the batch axis (unless keep_dims)."""
+  b, rank = ins[0].axis, _rank(op.inputs[0])
+  axes = _const(op.inputs[1])
+  if ins[1].axis is not None or axes is None or rank is None:
+    return None
+  axes = [_norm(a, rank) for a in (axes if isinstance(axes, list) else [axes])]
+  if b in axes:
+    return None
+  keep = op.get_attr("keep_dims") if "keep_dims" in op.node_def.attr else False
+  return Batch(b if keep else b - sum(a < b for a in axes))
+
+
+def _softmax(op: tf.Operation, ins: list[Info]) -> Info:
+  return ins[0] if ins[0].axis != _norm(-1, _rank(op.inputs[0])) else None
+
+
+def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
+  """Reshape keeps an example-major leading axis: examples are contiguous blocks of the flat data.
+
+  Leading size-1 axes are skipped on both sides (LayerNormalization's (1, B·T, K, 1)). The new
+  leading axis holds whole examples unless static shapes prove a row straddles two (the trailing
+  sizes do not divide one another); an axis after other non-unit axes is kept only when all axes
+  up to it are unchanged.
+  """
+  b = ins[0].axis
+  x, y = op.inputs[0].shape, op.outputs[0].shape
+  if ins[1].axis is not None or x.rank is None or y.rank is None:
+    return None
+  if all(d == 1 for d in x[:b]):
+    j = next((i for i, d in enumerate(y) if d != 1), None)
+    if j is None:
+      return None
+    tail_x, tail_y = x[b + 1:].num_elements(), y[j + 1:].num_elements()
+    if tail_x is not None and tail_y is not None and tail_x % tail_y and tail_y % tail_x:
+      return None
+    return Batch(j)
+  same = y.rank > b and all(
+      p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
+  return ins[0] if same else None
+
+
+def _transpose(op: tf.Operation, ins: list[Info]) -> Info:
+  perm = _const(op.inputs[1])
+  return None if perm is None or ins[1].axis is not None else Batch(perm.index(ins[0].axis))
+
+
+def _expand_dims(op: tf.Operation, ins: list[Info]) -> Info:
+  d, rank = _const(op.inputs[1]), _rank(op.inputs[0])
+  if d is None or rank is None:
+    return None
+  d = d[0] if isinstance(d, list) else d
+  return Batch(ins[0].axis + (_norm(d, rank + 1) <= ins[0].axis))
+
+
+def _squeeze(op: tf.Operation, ins: list[Info]) -> Info:
+  b = ins[0].axis
+  dims = [_norm(d, _rank(op.inputs[0])) for d in op.get_attr("squeeze_dims")]
+  if not dims or None in dims or b in dims:
+    return None
+  return Batch(b - sum(d < b for d in dims))
+
+
+def _pack(op: tf.Operation, ins: list[Info]) -> Info:
+  """Stack along a new axis p: batched inputs must agree; the batch axis shifts if p ≤ it."""
+  axes = {i.axis for i in ins if i.axis is not None}
+  if len(axes) != 1 or _rank(op.inputs[0]) is None:
+    return None
+  b = axes.pop()
+  p = _norm(op.get_attr("axis"), _rank(op.inputs[0]) + 1)
+  return Batch(b + (p <= b))
+
+
+def _unpack(op: tf.Operation, ins: list[Info]) -> Info:
+  b, a = ins[0].axis, _norm(op.get_attr("axis"), _rank(op.inputs[0]))
+  return None if a is None or a == b else Batch(b - (a < b))
+
+
+def _concat(op: tf.Operation, ins: list[Info]) -> Info:
+  """ConcatV2 along a non-batch axis of inputs that agree on the batch axis."""
+  axis, rank = _const(op.inputs[-1]), _rank(op.outputs[0])
+  axes = {i.axis for i in ins[:-1] if i.axis is not None}
+  if axis is None or rank is None or len(axes) != 1 or _norm(axis, rank) in axes:
+    return None
+  return Batch(axes.pop())
+
+
+def _split(op: tf.Operation, ins: list[Info]) -> Info:
+  """Split (axis first) / SplitV (axis last) along a non-batch axis."""
+  axis_t, data = (op.inputs[0], 1) if op.type == "Split" else (op.inputs[2], 0)
+  axis = _const(axis_t)
+  if axis is None or _norm(axis, _rank(op.inputs[data])) == ins[data].axis:
+    return None
+  return ins[data]
+
+
+def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
+  """Whole along the batch axis (stride 1, not shrunk); shrunk axes before it shift it."""
+  b, strides = ins[0].axis, _const(op.inputs[3])
+  bit = lambda name, i: op.get_attr(name) >> i & 1
+  if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask") or strides is None:
+    return None
+  if b < len(strides) and (not (bit("begin_mask", b) and bit("end_mask", b))
+                           or bit("shrink_axis_mask", b) or strides[b] != 1):
+    return None
+  return Batch(b - sum(bit("shrink_axis_mask", i) for i in range(min(b, len(strides)))))
+
+
+def _slice(op: tf.Operation, ins: list[Info]) -> Info:
+  begin, size = _const(op.inputs[1]), _const(op.inputs[2])
+  b = ins[0].axis
+  return ins[0] if begin is not None and size is not None and begin[b] == 0 and size[b] == -1 else None
+
+
+def _pad(op: tf.Operation, ins: list[Info]) -> Info:
+  pads = _const(op.inputs[1])
+  return ins[0] if pads is not None and pads[ins[0].axis] == [0, 0] else None
+
+
+def _tile(op: tf.Operation, ins: list[Info]) -> Info:
+  multiples = _const(op.inputs[1])
+  return ins[0] if multiples is not None and multiples[ins[0].axis] == 1 else None
+
+
+def _gather(op: tf.Operation, ins: list[Info]) -> Info:
+  """GatherV2/ResourceGather: rows of an unbatched table by batched ids, or a non-batch axis."""
+  params, ids = ins[0], ins[1]
+  axis = 0 if op.type == "ResourceGather" else _const(op.inputs[2])
+  if op.get_attr("batch_dims") != 0 or axis is None:
+    return None
+  if params.axis is None and ids.axis is not None and _rank(op.inputs[0]) is not None:
+    return Batch(_norm(axis, _rank(op.inputs[0])) + ids.axis)
+  if ids.axis is None and params.axis is not None and _rank(op.inputs[1]) is not None:
+    axis = _norm(axis, _rank(op.inputs[0]))
+    if axis is None or axis == params.axis:
+      return None
+    return Batch(params.axis if axis > params.axis else params.axis + _rank(op.inputs[1]) - 1)
+  return None
+
+
+def _space_to_batch(op: tf.Operation, ins: list[Info]) -> Info:
+  block = _const(op.inputs[1])
+  if ins[0].axis != 0 or ins[0].block or block is None or any(i.axis is not None for i in ins[1:]):
+    return None
+  return Batch(0, tuple(block))
+
+
+def _batch_to_space(op: tf.Operation, ins: list[Info]) -> Info:
+  block = _const(op.inputs[1])
+  if ins[0].axis != 0 or block is None or ins[0].block != tuple(block) or any(
+      i.axis is not None for i in ins[1:]):
+    return None
+  return Batch(0)
+
+
+def _one_hot(op: tf.Operation, ins: list[Info]) -> Info:
+  b, axis = ins[0].axis, op.get_attr("axis")
+  return ins[0] if axis == -1 or axis > b else Batch(b + 1)
+
+
+_ELEMENTWISE = (
+    "Abs Add AddN AddV2 BiasAdd Ceil ClipByValue Cos Cosh DivNoNan Elu Equal Erf Erfc Exp Expm1 "
+    "Floor FloorDiv FloorMod Gelu Greater GreaterEqual IsFinite IsNan LeakyRelu Less LessEqual Log "
+    "Log1p LogicalAnd LogicalNot LogicalOr Maximum Minimum Mod Mul MulNoNan Neg NotEqual OnesLike "
+    "Pow RealDiv Reciprocal Relu Relu6 Round Rsqrt Select SelectV2 Selu Sigmoid Sign Sin Sinh "
+    "Softplus Softsign Sqrt Square SquaredDifference Sub Tan Tanh TruncateDiv Xdivy Xlogy "
+    "ZerosLike").split()
+_SAME = "Identity Snapshot StopGradient PreventGradient CheckNumerics EnsureShape Cast Bitcast".split()
+_SPATIAL = ("Conv2D Conv3D DepthwiseConv2dNative Conv2DBackpropInput Conv3DBackpropInputV2 "
+            "MaxPool MaxPoolV2 MaxPool3D AvgPool AvgPool3D ResizeBilinear ResizeNearestNeighbor "
+            "ResizeBicubic ResizeArea LRN").split()
+_REDUCTIONS = "Sum Mean Max Min Prod All Any ArgMax ArgMin EuclideanNorm".split()
+
+# How each op moves the batch axis: f(op, input infos, all known, at least one batched) -> info of
+# its outputs. An op without an entry makes the axis unknown (the variable takes the fallback).
+_AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
+    **{t: _broadcast for t in _ELEMENTWISE},
+    **{t: _first for t in _SAME},
+    **{t: _spatial for t in _SPATIAL},
+    **{t: _reduce for t in _REDUCTIONS},
+    "Softmax": _softmax, "LogSoftmax": _softmax,
+    "MatMul": _matmul, "BatchMatMul": _batch_matmul, "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul, "Einsum": _einsum,
+    "FusedBatchNorm": _fused_batch_norm, "FusedBatchNormV2": _fused_batch_norm,
+    "FusedBatchNormV3": _fused_batch_norm,
+    "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
+    "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack, "ConcatV2": _concat,
+    "Split": _split, "SplitV": _split, "StridedSlice": _strided_slice, "Slice": _slice,
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "Tile": _tile,
+    "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
+    "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space,
+}
+# Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
+# on a blocked tensor makes the axis unknown.
+_BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D",
+                         "DepthwiseConv2dNative", "BatchToSpaceND"})
+# Ops whose value does not depend on the data's values (shapes) or that start from nothing.
+_NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp"})
+_DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
+                           "MultiDeviceIteratorGetNextFromShard"})
+_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+_MEMO: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _composite_inputs(graph: tf.Graph) -> set[str]:
+  """Names of the placeholders holding components of composite arguments (ragged, sparse)."""
+  signature = getattr(graph, "structured_input_signature", None)
+  if signature is None:
+    return set()
+  names, i = set(), 0
+  for spec in tf.nest.flatten(signature, expand_composites=False):
+    n = len(tf.nest.flatten(spec, expand_composites=True)) if isinstance(
+        spec, tf.TypeSpec) else 1
+    if isinstance(spec, tf.TypeSpec) and not isinstance(spec, tf.TensorSpec):
+      names.update(t.name for t in graph.inputs[i:i + n])
+    i += n
+  return names
+
+
+def _placeholder(t: tf.Tensor, memo: dict) -> Info:
+  """Base case: arguments of the step carry examples on axis 0, captures what they capture."""
+  if t.dtype == tf.resource:
+    return NO_BATCH
+  graph = t.graph
+  for external, internal in getattr(graph, "captures", ()):
+    if internal is t:
+      if isinstance(external, tf.Tensor) and hasattr(external, "op"):  # Symbolic, outer graph.
+        return batch_info(external)
+      return NO_BATCH  # An eager constant.
+  if "args" not in memo:
+    memo["args"] = ({x.name for x in graph.inputs}, _composite_inputs(graph))
+  args, composite = memo["args"]
+  if (t.name not in args or t.name in composite or t.dtype == tf.variant
+      or type(graph).__name__ in ("WhileBodyFuncGraph", "WhileCondFuncGraph",
+                                  "CondBranchFuncGraph")):
+    return None  # Loop state, a branch input, a ragged or sparse component.
+  return NO_BATCH if _rank(t) == 0 else _DATA
+
+
+def _call_outputs(op: tf.Operation, ins: list[Info]) -> list[Info]:
+  """A call op's outputs: its function body analysed with the call's input axes."""
+  try:
+    body = op.graph._get_function(op.get_attr("f").name).graph  # pylint: disable=protected-access
+  except (AttributeError, ValueError):
+    return [None] * len(op.outputs)
+  if len(body.inputs) != len(ins):
+    return [None] * len(op.outputs)
+  memo = {"seed": {p.name: i for p, i in zip(body.inputs, ins)}}
+  return [_analyse(t, memo) for t in body.outputs]
+
+
+def _analyse(t: tf.Tensor, memo: dict) -> Info:
+  """Memoized batch info of `t` (iterative, so deep graphs do not hit the recursion limit)."""
+  stack = [t]
+  while stack:
+    x = stack[-1]
+    if x.name in memo:
+      stack.pop()
+      continue
+    op = x.op
+    if "seed" in memo and x.name in memo["seed"]:
+      memo[x.name] = memo["seed"][x.name]
+    elif op.type == "Placeholder":
+      memo[x.name] = _placeholder(x, memo)
+    elif op.type in _DATA_SOURCES:
+      for out in op.outputs:
+        memo[out.name] = None if out.dtype == tf.variant else _DATA
+    elif op.type in _NO_BATCH_OPS or x.dtype == tf.resource:
+      memo[x.name] = NO_BATCH
+    else:
+      pending = [i for i in op.inputs if i.name not in memo]
+      if pending:
+        stack.extend(pending)
+        continue
+      ins = [memo[i.name] for i in op.inputs]
+      if any(i is None for i in ins):
+        outs = [None] * len(op.outputs)
+      elif all(i.axis is None for i in ins):
+        outs = [NO_BATCH] * len(op.outputs)  # Depends on no example (a random mask, a shape).
+      elif op.type in _CALLS:
+        outs = _call_outputs(op, ins)
+      elif op.type == "IdentityN":
+        outs = ins
+      elif op.type in _AXIS_RULES:
+        out = _AXIS_RULES[op.type](op, ins)
+        block = {i.block for i in ins if i.block}
+        if block and out is not None and op.type != "BatchToSpaceND":
+          out = dataclasses.replace(out, block=block.pop()) if (
+              op.type in _BLOCK_SAFE and len(block) == 1) else None
+        outs = [out] * len(op.outputs)
+      else:
+        outs = [None] * len(op.outputs)
+      for out, info in zip(op.outputs, outs):
+        memo[out.name] = info
+    stack.pop()
+  return memo[t.name]
+
+
+@tf.autograph.experimental.do_not_convert
+def batch_info(t: tf.Tensor) -> Info:
+  """Where `t`'s examples lie: a `Batch` (axis None: no example), or None if unknown."""
+  return _analyse(t, _MEMO.setdefault(t.graph, {}))
+
+
+def batch_axis(t: tf.Tensor) -> Optional[int]:
+  """The axis of `t` along which examples lie, if proven; None if unknown or not batched.
+
+  Base case: the data entering the step (the function's tensor arguments, iterator outputs) holds
+  examples on axis 0; variables, constants and captured eager tensors hold none; ragged and sparse
+  components, loop state and any op without a rule in `_AXIS_RULES` are unknown.
+  """
+  info = batch_info(t)
+  return None if info is None or info.block else info.axis
+
+
+# ---------------------------------------------------------------------------------------------
+# Uses of a variable.
 
 
 def _uses_of(tensor: tf.Tensor) -> Optional[list[Use]]:
@@ -143,36 +518,24 @@ def _uses_of(tensor: tf.Tensor) -> Optional[list[Use]]:
       if sub is None:
         return None
       uses.extend(sub)
-    elif op.type == "MatMul" and _same(op.inputs[1], tensor) and not _same(op.inputs[0], tensor):
-      if op.get_attr("transpose_a") or not batch_leading(op.inputs[0]):
-        return None
-      uses.append(Use("matmul_t" if op.get_attr("transpose_b") else "matmul", op))
-    elif op.type == "Conv2D" and _same(op.inputs[1], tensor) and not _same(op.inputs[0], tensor):
-      if op.inputs[0].shape[-1 if op.get_attr("data_format") == b"NHWC" else 1] != (
-          op.inputs[1].shape[2]) or not batch_leading(op.inputs[0]):  # Grouped or reordered.
-        return None
-      uses.append(Use("conv2d", op))
-    elif op.type == "BiasAdd" and _same(op.inputs[1], tensor) and batch_leading(op.inputs[0]):
-      uses.append(Use("bias_add", op))
-    else:
+      continue
+    kind = rules.match(op, tensor)
+    if kind is None:
       return None
+    uses.append(Use(kind, op))
   return uses
 
 
-def find_uses(graph: tf.Graph, var: tf.Variable) -> Optional[list[Use]]:
-  """Every use of `var` in `graph` if all have per-example rules; None otherwise (fallback)."""
-  handle = _captured_handle(graph, var)
-  if handle is None:
-    return []  # Not read: its gradient is zero.
+def find_uses(handle: tf.Tensor) -> Optional[list[Use]]:
+  """Every use of a variable, read through `handle` (`_captured_handle`), if all have per-example
+  rules ([] if the graph never reads it: its gradient is zero); None otherwise (fallback)."""
   uses = []
   for op in handle.consumers():
     if op.type == "ReadVariableOp":
       sub = _uses_of(op.outputs[0])
-    elif (op.type == "ResourceGather" and op.get_attr("batch_dims") == 0
-          and batch_leading(op.inputs[1])):
-      sub = [Use("gather", op)]
     else:
-      sub = None
+      kind = rules.match(op, handle)
+      sub = None if kind is None else [Use(kind, op)]
     if sub is None:
       return None
     uses.extend(sub)

@@ -1,0 +1,305 @@
+"""The engine fails closed: every way of running a step trains exactly, or is refused (SPEC §6).
+
+Each setting trains a few noiseless DP-SGD steps; the weights must equal a reference built from
+single-example `tf.GradientTape` gradients (clip each to C, sum, divide by B, SGD step).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+from tfdp_variants import per_example
+
+L = tf.keras.layers
+B, STEPS, C, LR = 4, 4, 0.5, 0.5
+
+
+def _mse(y, y_pred):
+  return tf.reduce_mean(tf.square(y - y_pred), axis=-1)
+
+
+_LOSS = tf.keras.losses.MeanSquaredError(reduction="none")
+
+
+def _model():
+  tf.keras.utils.set_random_seed(0)
+  return tf.keras.Sequential([L.Input((3,)), L.Dense(4, activation="tanh"), L.Dense(2)])
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(B * STEPS, 3)).astype("float32"),
+          rng.normal(size=(B * STEPS, 2)).astype("float32"))
+
+
+def _reference(x, y, steps=STEPS):
+  """Noiseless DP-SGD from single-example gradients: w -= lr·Σ_i clip_C(g_i) / B per batch."""
+  model = _model()
+  for s in range(steps):
+    total = [tf.zeros_like(v) for v in model.trainable_variables]
+    for i in range(s * B, (s + 1) * B):
+      with tf.GradientTape() as tape:
+        loss = _mse(y[i:i + 1], model(x[i:i + 1]))[0]
+      grads = tape.gradient(loss, model.trainable_variables)
+      scale = tf.minimum(1.0, C / tf.linalg.global_norm(grads))
+      total = [t + scale * g for t, g in zip(total, grads)]
+    for v, t in zip(model.trainable_variables, total):
+      v.assign_sub(LR * t / B)
+  return model.get_weights()
+
+
+def _assert_trained_exactly(model, x, y, steps=STEPS):
+  init = _model().get_weights()
+  for got, want, w0 in zip(model.get_weights(), _reference(x, y, steps), init):
+    assert not np.allclose(got, w0), "no step was applied"
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _optimizer(**kwargs):
+  return tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=0.0, learning_rate=LR, **kwargs)
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 4])
+def test_fit_with_steps_per_execution(steps_per_execution):
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=_optimizer(), loss=_LOSS, steps_per_execution=steps_per_execution)
+  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  _assert_trained_exactly(model, x, y)
+
+
+def test_fit_with_jit_compile():
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=_optimizer(self_check=False), loss=_LOSS, jit_compile=True)
+  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  _assert_trained_exactly(model, x, y)
+
+
+def test_jit_compile_with_self_check_is_refused():
+  """XLA drops assertions: the check could not stop a wrong step, so it is refused, not skipped."""
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=_optimizer(), loss=_LOSS, jit_compile=True)
+  with pytest.raises(ValueError, match="self_check=False"):
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+
+
+def _minimize(optimizer, model, x, y):
+  with tf.GradientTape() as tape:
+    loss = _mse(y, model(x, training=True))
+  optimizer.minimize(loss, model.trainable_variables, tape=tape)
+
+
+def test_custom_loop_over_a_dataset_in_tf_function():
+  x, y = _data()
+  model, optimizer = _model(), _optimizer()
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+
+  @tf.function
+  def train():
+    for xb, yb in dataset:
+      _minimize(optimizer, model, xb, yb)
+
+  train()
+  _assert_trained_exactly(model, x, y)
+
+
+def test_custom_loop_over_tf_range():
+  x, y = _data()
+  model, optimizer = _model(), _optimizer()
+
+  @tf.function
+  def train(xs, ys):
+    for s in tf.range(STEPS):
+      _minimize(optimizer, model, xs[s * B:(s + 1) * B], ys[s * B:(s + 1) * B])
+
+  train(x, y)
+  _assert_trained_exactly(model, x, y)
+
+
+@pytest.mark.parametrize("api", ["minimize", "compute_and_apply"])
+def test_outer_function_calls_inner_step(api):
+  x, y = _data()
+  model, optimizer = _model(), _optimizer()
+
+  @tf.function
+  def step(xb, yb):
+    if api == "minimize":
+      _minimize(optimizer, model, xb, yb)
+    else:
+      with tf.GradientTape() as tape:
+        loss = _mse(yb, model(xb, training=True))
+      optimizer.apply_gradients(optimizer.compute_gradients(loss, model.trainable_variables, tape))
+
+  @tf.function
+  def train(xs, ys):
+    for s in range(STEPS):
+      step(xs[s * B:(s + 1) * B], ys[s * B:(s + 1) * B])
+
+  train(x, y)
+  _assert_trained_exactly(model, x, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variables whose use cannot be traced are refused; zero only when provably unread.
+
+
+def _exact(model, x, y):
+  """Single-example gradients of `model.trainable_variables`, stacked: (B, *var.shape) each."""
+  out = []
+  for i in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = _mse(y[i:i + 1], model(x[i:i + 1]))[0]
+    out.append(tape.gradient(loss, model.trainable_variables))
+  return [np.stack([o[k] for o in out]) for k in range(len(out[0]))]
+
+
+def test_variable_read_outside_the_loss_graph_is_refused():
+  """Its value enters the loop body as data: no graph at hand proves the loss independent of it."""
+  x, y = _data()
+  model = _model()
+  kernel, bias = model.layers[-1].kernel, model.layers[-1].bias
+
+  @tf.function
+  def run():
+    w = kernel.read_value()  # Read in the outer graph; the loop body sees only its value.
+    for _ in tf.range(1):
+      with tf.GradientTape() as tape:
+        loss = _mse(y[:B], tf.matmul(model.layers[0](x[:B]), w) + bias)
+      per_example.compute(loss, [kernel, bias], tape=tape)
+
+  with pytest.raises(ValueError, match="Read the variables inside the function"):
+    run()
+
+
+def test_unread_variable_gets_zero():
+  x, y = _data()
+  model, unused = _model(), tf.Variable(tf.ones([3]))
+
+  @tf.function
+  def run():
+    loss = _mse(y[:B], model(x[:B]))
+    return per_example.compute(loss, [unused, *model.trainable_variables]).materialize()
+
+  got = run()
+  np.testing.assert_array_equal(got[0], np.zeros([B, 3]))
+  for g, want in zip(got[1:], _exact(model, x[:B], y[:B])):
+    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers that mix examples are refused everywhere.
+
+
+class _CenterOverBatch(L.Layer):
+  """x − mean over the batch: one example's output depends on every other."""
+
+  def call(self, x):
+    return x - tf.reduce_mean(x, axis=0)
+
+
+_FIX = "LayerNormalization/GroupNormalization"
+
+
+def _mixing_model(layer):
+  tf.keras.utils.set_random_seed(0)
+  return tf.keras.Sequential([L.Input((4, 4, 1)), L.Conv2D(2, 3), layer, L.Flatten(), L.Dense(2)])
+
+
+def _images():
+  rng = np.random.default_rng(1)
+  return rng.normal(size=(B, 4, 4, 1)).astype("float32"), rng.normal(size=(B, 2)).astype("float32")
+
+
+_MIXING_LAYERS = {"batch_norm": L.BatchNormalization,
+                  "sync_batch_norm": lambda: L.BatchNormalization(synchronized=True),
+                  "center_over_batch": _CenterOverBatch}
+
+
+@pytest.mark.parametrize("layer", sorted(_MIXING_LAYERS))
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_custom_loop_refuses_layers_that_mix_examples(layer, mode):
+  if mode == "eager" and layer != "batch_norm":
+    pytest.skip("eagerly only fused batch-normalization ops are recognized")
+  model, optimizer = _mixing_model(_MIXING_LAYERS[layer]()), _optimizer()
+  x, y = _images()
+  step = lambda xb, yb: _minimize(optimizer, model, xb, yb)
+  with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match=_FIX):
+    (tf.function(step) if mode == "graph" else step)(x, y)
+
+
+def test_batch_norm_on_features_refused_in_custom_loop():
+  """Non-fused batch normalization (2-D inputs: tf.nn.moments over the batch)."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([L.Input((3,)), L.Dense(4), L.BatchNormalization(), L.Dense(2)])
+  x, y = _data()
+  with pytest.raises(ValueError, match=_FIX):
+    tf.function(lambda: _minimize(_optimizer(), model, x[:B], y[:B]))()
+
+
+def test_fit_refuses_custom_layer_that_mixes_examples():
+  model = _mixing_model(_CenterOverBatch())
+  model.compile(optimizer=_optimizer(), loss=_LOSS)
+  x, y = _images()
+  with pytest.raises(tf.errors.InvalidArgumentError, match=_FIX) as error:
+    model.fit(x, y, batch_size=B, verbose=0)
+  assert "IteratorGetNext" in str(error.value)  # Names the input whose rows leak.
+
+
+@pytest.mark.parametrize("layer", [L.LayerNormalization, lambda: L.GroupNormalization(groups=2)])
+def test_per_example_normalization_passes(layer):
+  model = _mixing_model(layer())
+  model.compile(optimizer=_optimizer(), loss=_LOSS)
+  model.fit(*_images(), batch_size=B, verbose=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-check itself.
+
+
+def test_self_check_catches_a_wrong_rule(monkeypatch):
+  """A rule that drops one row per microbatch (a misgrouping) is caught and named."""
+  from tfdp_variants.per_example import engine  # pylint: disable=import-outside-toplevel
+  factor = engine._factor
+
+  def wrong(use, grad, m, var):
+    f = factor(use, grad, m, var)
+    if f.rule == "rowsum":
+      f.d = tf.concat([f.d[:1] * 2.0, f.d[1:]], 0)  # Microbatch 0's bias gradient doubled.
+    return f
+
+  monkeypatch.setattr(engine, "_factor", wrong)
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=_optimizer(), loss=_LOSS)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="self-check failed") as error:
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  named = str(error.value).split("differ from exact ones")[1].split(". This")[0]
+  assert "bias" in named and "kernel" not in named
+  # Off, the same wrong rule trains silently: the check is what stands between.
+  model = _model()
+  model.compile(optimizer=_optimizer(self_check=False), loss=_LOSS)
+  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+
+
+def test_self_check_runs_once_per_trace(monkeypatch):
+  """Steady-state steps skip the check's branch; a retrace (a new batch shape) checks again."""
+  from tfdp_variants.per_example import self_check  # pylint: disable=import-outside-toplevel
+  runs, check = [], self_check._check
+
+  def counted(*args):
+    with tf.control_dependencies([tf.py_function(lambda: runs.append(1) or 0, [], tf.int32)]):
+      return tf.identity(check(*args))
+
+  monkeypatch.setattr(self_check, "_check", counted)
+  x, y = _data()
+  model, optimizer = _model(), _optimizer()
+  step = tf.function(lambda xb, yb: _minimize(optimizer, model, xb, yb))
+  for s in range(STEPS):
+    step(x[s * B:(s + 1) * B], y[s * B:(s + 1) * B])
+  assert len(runs) == 1
+  _assert_trained_exactly(model, x, y)  # The steps it guarded are the reference's.
+  step(x[:2], y[:2])
+  assert len(runs) == 2

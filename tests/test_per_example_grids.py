@@ -1,0 +1,217 @@
+"""Per-example gradients on layer grids after Opacus' grad-sample tests and TF Privacy's fast
+clipping tests: each case against single-example `tf.GradientTape` references (issue 7, item 2)."""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+from tfdp_variants import per_example
+
+L = tf.keras.layers
+B = 4
+
+
+def _mse(y, y_pred):
+  return tf.reduce_mean(tf.reshape(tf.square(y - y_pred), [tf.shape(y)[0], -1]), axis=1)
+
+
+def _floats(*shape):
+  return tf.random.stateless_normal(shape, seed=[1, len(shape)])
+
+
+def _ints(*shape, high=7):
+  return tf.random.stateless_uniform(shape, seed=[2, 3], maxval=high, dtype=tf.int32)
+
+
+def _seq(input_shape, *layers):
+  return tf.keras.Sequential([L.Input(input_shape), *layers, L.Flatten(), L.Dense(2)])
+
+
+class _Table3(L.Layer):
+  """An embedding whose rows are (A, B) matrices: ResourceGather on a rank-3 table."""
+
+  def build(self, _):
+    self.table = self.add_weight("table", (7, 2, 3))
+
+  def call(self, ids):
+    return tf.gather(self.table, ids)
+
+
+class _TimeMajorRNN(L.Layer):
+  """An unrolled RNN run time-major: (T, B, K) steps, `tf.stack`ed, a Dense on the (T, B, H)."""
+
+  def __init__(self, back: bool):
+    super().__init__()
+    self.back = back
+    self.cell, self.out = L.Dense(3, activation="tanh"), L.Dense(2)
+
+  def call(self, x):
+    xt = tf.transpose(x, [1, 0, 2])
+    h, outs = tf.zeros_like(xt[0, :, :3]), []
+    for t in range(xt.shape[0]):
+      h = self.cell(tf.concat([xt[t], h], axis=-1))
+      outs.append(h)
+    seq = tf.stack(outs)  # (T, B, 3)
+    if self.back:
+      return self.out(tf.transpose(seq, [1, 0, 2]))
+    return tf.transpose(self.out(seq * 2.0), [1, 0, 2])
+
+
+def _time_major_mlp():
+  x = L.Input((3, 4))
+  h = L.Lambda(lambda t: tf.nn.relu(tf.transpose(t, [1, 0, 2]) * 1.5))(x)  # (T, B, 4)
+  h = L.Dense(2)(L.Dense(3)(h))  # Dense layers on (T, B, ·) rows.
+  return tf.keras.Model(x, L.Flatten()(L.Lambda(lambda t: tf.transpose(t, [1, 0, 2]))(h)))
+
+
+def _lstm_time_major():
+  x = L.Input((3, 4))
+  h = L.Lambda(lambda t: tf.transpose(t, [1, 0, 2]))(x)
+  return tf.keras.Model(x, L.Dense(2)(L.LSTM(3, time_major=True, unroll=True)(h)))
+
+
+def _mha():
+  x = L.Input((3, 4))
+  return tf.keras.Model(x, L.Dense(2)(L.Flatten()(L.MultiHeadAttention(2, 2)(x, x))))
+
+
+def _ragged_embedding():
+  ids = L.Input((None,), ragged=True, dtype="int32")
+  h = L.Embedding(7, 3)(ids)
+  return tf.keras.Model(ids, L.Dense(2)(L.Lambda(lambda t: tf.reduce_mean(t, axis=1))(h)))
+
+
+def _ragged_ids():
+  return tf.ragged.constant([[1, 2], [3], [4, 5, 6, 0], [2, 2, 1]], dtype=tf.int32)
+
+
+CONV_GRID = {  # Opacus' conv grid: dims × groups × strides × padding × dilation.
+    f"conv2d_g{g}_s{s}_{p}_d{d}": (
+        lambda g=g, s=s, p=p, d=d: _seq((7, 7, 4), L.Conv2D(4, 3, strides=s, padding=p,
+                                                             dilation_rate=d, groups=g)),
+        _floats(B, 7, 7, 4))
+    for g, s, p, d in itertools.product([1, 2], [1, 2], ["valid", "same"], [1, 2])
+    if not (s == 2 and d == 2)}
+CONV_GRID.update({
+    f"conv1d_g{g}_s{s}_d{d}": (
+        lambda g=g, s=s, d=d: _seq((9, 4), L.Conv1D(4, 3, strides=s, dilation_rate=d, groups=g,
+                                                    padding="causal" if s == 1 else "valid")),
+        _floats(B, 9, 4))
+    for g, s, d in [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 1)]})
+CONV_GRID.update({
+    "conv3d_g1": (lambda: _seq((4, 4, 4, 2), L.Conv3D(2, 2, strides=2)), _floats(B, 4, 4, 4, 2)),
+    "conv3d_g2": (lambda: _seq((4, 4, 4, 4), L.Conv3D(4, 2, groups=2)), _floats(B, 4, 4, 4, 4)),
+    "dense_before_grouped": (lambda: _seq((6, 6, 2), L.Conv2D(4, 1), L.Dense(4),
+                                          L.Conv2D(4, 3, groups=2)), _floats(B, 6, 6, 2)),
+})
+
+OTHER = {
+    "embedding": (lambda: _seq((5,), L.Embedding(7, 3)), _ints(B, 5)),
+    "embedding_ragged": (_ragged_embedding, _ragged_ids()),
+    "table_rank3": (lambda: tf.keras.Sequential([L.Input((5,), dtype="int32"), _Table3(),
+                                                 L.Flatten(), L.Dense(2)]), _ints(B, 5)),
+    "time_major_mlp": (_time_major_mlp, _floats(B, 3, 4)),
+    "time_major_stack": (lambda: tf.keras.Sequential([L.Input((3, 4)), _TimeMajorRNN(False),
+                                                      L.Flatten(), L.Dense(2)]),
+                         _floats(B, 3, 4)),
+    "time_major_stack_back": (lambda: tf.keras.Sequential([L.Input((3, 4)), _TimeMajorRNN(True),
+                                                           L.Flatten(), L.Dense(2)]),
+                              _floats(B, 3, 4)),
+    "lstm_time_major": (_lstm_time_major, _floats(B, 3, 4)),
+    "mha": (_mha, _floats(B, 3, 4)),
+    "layer_norm_3d": (lambda: _seq((3, 4), L.Dense(4), L.LayerNormalization(), L.Dense(3)),
+                      _floats(B, 3, 4)),
+}
+
+# Expected rule per variable where the point of the case is which path a variable takes.
+RULES = {
+    "conv2d_g2_s1_valid_d1": ["grouped", "rowsum", "outer", "rowsum"],
+    "conv1d_g2_s1_d1": ["grouped", "rowsum", "outer", "rowsum"],
+    "embedding_ragged": ["fallback"] * 3,  # Ragged components never count as example-major.
+    "table_rank3": ["gather", "outer", "rowsum"],
+    "time_major_mlp": ["fallback"] * 4,  # Dense on (T, B, ·): rows are time-major.
+    "time_major_stack_back": ["outer", "rowsum"] * 3,
+    "layer_norm_3d": ["outer", "rowsum", "fallback", "fallback", "outer", "rowsum", "outer",
+                      "rowsum"],
+}
+
+
+def _slice(x, i, j):
+  return x[i:j]
+
+
+def _reference(model, x, y, m):
+  """Gradient of each microbatch's mean loss, one forward pass per microbatch."""
+  k = B // m
+  out = []
+  for i in range(m):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_mse(y[i * k:(i + 1) * k], model(x[i * k:(i + 1) * k], training=True)))
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    out.append([tf.convert_to_tensor(g) for g in grads])
+  return [np.stack([o[v] for o in out]) for v in range(len(model.trainable_variables))]
+
+
+def _rules(model, x, y):
+  seen = {}
+
+  @tf.function
+  def run(x, y):
+    seen["rules"] = per_example.compute(_mse(y, model(x, training=True)),
+                                        model.trainable_variables).rules
+    return 0
+
+  run(x, y)
+  return seen["rules"]
+
+
+def _build(name):
+  tf.keras.utils.set_random_seed(0)
+  build, x = {**CONV_GRID, **OTHER}[name]
+  model = build()
+  y = _floats(*model(x).shape)
+  return model, x, y
+
+
+@pytest.mark.parametrize("num_microbatches", [None, 2])
+@pytest.mark.parametrize("name", sorted(CONV_GRID) + sorted(OTHER))
+def test_grid_matches_single_example_gradients(name, num_microbatches):
+  model, x, y = _build(name)
+  ours = tfdp_variants.per_example_gradients(model, _mse, x, y, num_microbatches)
+  ref = _reference(model, x, y, num_microbatches or B)
+  for g, r, v in zip(ours, ref, model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
+  if name in RULES and num_microbatches is None:
+    assert _rules(model, x, y) == RULES[name]
+
+
+@pytest.mark.parametrize("name", ["conv2d_g2_s2_same_d1", "conv1d_g2_s1_d2", "conv3d_g2",
+                                  "table_rank3", "embedding_ragged", "time_major_stack"])
+def test_fit_clips_exact_per_example_gradients(name):
+  """One noiseless DPSGD step in `fit` equals lr · mean of clipped single-example gradients."""
+  model, x, y = _build(name)
+  clip, lr = 0.05, 1.0
+  ref = _reference(model, x, y, B)
+  flat = np.concatenate([r.reshape(B, -1) for r in ref], axis=1)
+  scale = np.minimum(1.0, clip / np.linalg.norm(flat, axis=1))
+  want = [w - lr * np.mean(r * scale.reshape([B] + [1] * (r.ndim - 1)), axis=0)
+          for w, r in zip(model.get_weights(), ref)]
+  model.compile(optimizer=tfdp_variants.DPSGD(clip, 0.0, learning_rate=lr),
+                loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  assert np.all(scale < 1)  # The clip binds.
+  for got, w, v in zip(model.get_weights(), want, model.trainable_variables):
+    np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
+
+
+def test_paper_cnn_and_models_stay_on_the_fast_path():
+  """Issue 7's speed bound: the analysis must not send common layers to the fallback."""
+  model = tf.keras.Sequential([
+      L.Input((28, 28, 1)), L.Conv2D(4, 5, padding="same", activation="relu"), L.MaxPool2D(2),
+      L.Conv2D(8, 5, padding="same", activation="relu"), L.MaxPool2D(2), L.Dropout(0.2),
+      L.Flatten(), L.Dense(16, activation="relu"), L.Dense(10)])
+  assert _rules(model, _floats(B, 28, 28, 1), _floats(B, 10)) == ["outer", "rowsum"] * 4

@@ -1,0 +1,312 @@
+"""The per-example rules: which uses of a variable have one, and the factor each gives.
+
+A rule reads one op that uses a variable: the op's input rows, grouped by example, and the gradient
+of its output give the variable's per-example gradients as a factor (`factors.py`). A use matches
+only when `trace.batch_axis` proves the op's input has the examples on axis 0; every other use sends
+its variable to the exact fallback. Adding an op or a layer is one entry of `RULES`.
+
+`PFOR_WRONG` lists the ops whose `tf.vectorized_map` (pfor) conversion is wrong, found by comparing
+vectorized Jacobians with a loop of `tf.gradients` over Keras' layers; a fallback whose backward pass
+meets one runs as a loop instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import trace
+
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _same(a: tf.Tensor, b: tf.Tensor) -> bool:
+  return a.name == b.name
+
+
+def _rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
+  """(M, rows, width): `t`'s rows grouped by microbatch (examples on axis 0, proven by the match)."""
+  return tf.reshape(tf.cast(t, dtype), [m, -1, width])
+
+
+def _channels_last(op: tf.Operation) -> bool:
+  return op.get_attr("data_format") in (b"NHWC", b"NDHWC")
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolutions.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Conv:
+  """A Conv2D seen from the outer graph: `conv` may sit in a function body (Keras' grouped conv
+  on CPU is a jit-compiled function), reached from the call's input `x` through `expand` (the axis
+  of an ExpandDims, Conv1D) and left through a Squeeze of the same axis."""
+
+  conv: tf.Operation
+  x: tf.Tensor
+  expand: Optional[int] = None
+
+
+def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
+  """The Conv2D of a call whose body is `[ExpandDims] → Conv2D(x, w) → [Squeeze]` and nothing else."""
+  # The output count is not checked: taking gradients rewrites the call to also output intermediates.
+  if len(op.inputs) != 2 or not _same(op.inputs[1], var_input):
+    return None
+  try:
+    body = op.graph._get_function(op.get_attr("f").name).graph  # pylint: disable=protected-access
+  except (AttributeError, ValueError):
+    return None
+  compute = [o for o in body.get_operations()
+             if o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
+  convs = [o for o in compute if o.type == "Conv2D"]
+  if len(convs) != 1 or len(compute) > 4:
+    return None
+  conv, (x_in, w_in) = convs[0], body.inputs
+  x_path, w_path = conv.inputs[0], conv.inputs[1]
+  expand = None
+  if x_path.op.type == "ExpandDims":
+    expand = trace._const(x_path.op.inputs[1])  # pylint: disable=protected-access
+    if expand is None or x_in.shape.rank != 3 or not _same(x_path.op.inputs[0], x_in):
+      return None
+    expand %= 4
+    if w_path.op.type != "ExpandDims" or trace._const(w_path.op.inputs[1]) != 0:  # pylint: disable=protected-access
+      return None
+    w_path = w_path.op.inputs[0]
+    out = body.outputs[0]
+    while out.op.type == "Identity":
+      out = out.op.inputs[0]
+    if out.op.type != "Squeeze" or [d % 4 for d in out.op.get_attr("squeeze_dims")] != [expand]:
+      return None
+  elif not _same(x_path, x_in) or len(compute) != 1:
+    return None
+  if not _same(w_path, w_in):
+    return None
+  return _Conv(conv, op.inputs[0], expand)
+
+
+def _conv_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
+  if op.type == "Conv2D":
+    if _same(op.inputs[1], var_input) and not _same(op.inputs[0], var_input):
+      return _Conv(op, op.inputs[0])
+    return None
+  if op.type in _CALLS:
+    return _conv_in_call(op, var_input)
+  return None
+
+
+def _groups(conv: tf.Operation, x: tf.Tensor) -> Optional[int]:
+  """Input channels / the filter's input channels (1: a plain conv), None if unknown."""
+  c = x.shape[-1 if _channels_last(conv) else 1]
+  cin = conv.inputs[1].shape[2]
+  return None if c is None or cin is None or c % cin else c // cin
+
+
+def _match_conv(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  spec = _conv_use(op, var_input)
+  if spec is None or trace.batch_axis(spec.x) != 0 or _groups(spec.conv, spec.conv.inputs[0]) is None:
+    return None
+  return "conv"
+
+
+def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """Conv2D: g = Σ_p patch_pᵀ dz_p over output positions p (Opacus' unfold rule).
+
+  A grouped convolution is G independent ones: group g's kernel columns take the patches of its
+  C/G input channels and its O/G output channels' gradients.
+  """
+  spec = _conv_use(op, op.inputs[1])
+  conv, x, dtype = spec.conv, spec.x, var.dtype
+  grad = tf.cast(grad, dtype)
+  if spec.expand is not None:
+    x, grad = tf.expand_dims(x, spec.expand), tf.expand_dims(grad, spec.expand)
+  kh, kw, cin, cout = conv.inputs[1].shape
+  groups = _groups(conv, conv.inputs[0])
+  strides, dilations = conv.get_attr("strides"), conv.get_attr("dilations")
+  padding = conv.get_attr("padding").decode()
+  pads = conv.get_attr("explicit_paddings")
+  if not _channels_last(conv):
+    x, grad = tf.transpose(x, [0, 2, 3, 1]), tf.transpose(grad, [0, 2, 3, 1])
+    strides, dilations = [strides[i] for i in (0, 2, 3, 1)], [dilations[i] for i in (0, 2, 3, 1)]
+    pads = [pads[j] for i in (0, 2, 3, 1) for j in (2 * i, 2 * i + 1)] if pads else pads
+  if padding == "EXPLICIT":
+    x = tf.pad(x, [[pads[2 * i], pads[2 * i + 1]] for i in range(4)])
+    padding = "VALID"
+  patches = tf.image.extract_patches(tf.cast(x, dtype), [1, kh, kw, 1], strides, dilations,
+                                     padding)
+  if groups == 1:
+    return F.Outer(_rows(patches, m, kh * kw * cin, dtype), _rows(grad, m, cout, dtype),
+                   tuple(var.shape))
+  patches = _rows(patches, m, kh * kw * groups * cin, dtype)
+  patches = tf.reshape(patches, [m, -1, kh * kw, groups, cin])
+  grad = tf.reshape(_rows(grad, m, cout, dtype), [m, -1, groups, cout // groups])
+  parts = [F.Outer(tf.reshape(patches[:, :, :, g], [m, -1, kh * kw * cin]), grad[:, :, g],
+                   (kh * kw * cin, cout // groups)) for g in range(groups)]
+  return F.Columns(parts, tuple(var.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# MatMul, BiasAdd, ResourceGather.
+
+
+def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  if (op.type != "MatMul" or not _same(op.inputs[1], var_input) or _same(op.inputs[0], var_input)
+      or op.get_attr("transpose_a") or trace.batch_axis(op.inputs[0]) != 0):
+    return None
+  return "matmul"
+
+
+_ZERO_PATH = frozenset({"Identity", "Cast", "Reshape", "ExpandDims", "Squeeze"})
+
+
+def _provably_zero(t: tf.Tensor) -> bool:
+  """Whether `t` is all zeros by construction (an RNN's initial state: `tf.zeros(...)`)."""
+  while t.op.type in _ZERO_PATH:
+    t = t.op.inputs[0]
+  if t.op.type == "ZerosLike":
+    return True
+  value = trace._const(t.op.inputs[1] if t.op.type == "Fill" else t)  # pylint: disable=protected-access
+  return t.op.type in ("Fill", "Const") and value is not None and not any(
+      tf.nest.flatten(value))
+
+
+def _match_zero_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  if (op.type != "MatMul" or not _same(op.inputs[1], var_input) or _same(op.inputs[0], var_input)
+      or op.get_attr("transpose_a") or not _provably_zero(op.inputs[0])):
+    return None
+  return "zero_matmul"
+
+
+def _zero_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """A MatMul of zeros adds nothing to any example's gradient, whatever its rows hold."""
+  rows, cols = var.shape
+  zeros = lambda width: tf.zeros(tf.stack([m, 1, width]), var.dtype)
+  return F.Outer(zeros(rows), zeros(cols), tuple(var.shape))
+
+
+def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose)."""
+  a = _rows(op.inputs[0], m, op.inputs[0].shape[-1], var.dtype)
+  d = _rows(grad, m, grad.shape[-1], var.dtype)
+  return F.Outer(d, a, tuple(var.shape)) if op.get_attr("transpose_b") else F.Outer(
+      a, d, tuple(var.shape))
+
+
+def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  if (op.type != "BiasAdd" or not _same(op.inputs[1], var_input)
+      or trace.batch_axis(op.inputs[0]) != 0):
+    return None
+  return "bias_add"
+
+
+def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+                     var: tf.Variable) -> F.Factor:
+  """BiasAdd: g = Σ_t dz_t."""
+  if op.get_attr("data_format") == b"NCHW":
+    grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
+  return F.RowSum(_rows(grad, m, grad.shape[-1], var.dtype), tuple(var.shape))
+
+
+def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  if (op.type != "ResourceGather" or not _same(op.inputs[0], var_input)
+      or op.get_attr("batch_dims") != 0 or trace.batch_axis(op.inputs[1]) != 0
+      or not op.inputs[0].dtype == tf.resource):
+    return None
+  return "gather"
+
+
+def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """ResourceGather (Embedding): g = Σ_t onehot(id_t) ⊗ dz_t, a table row of any rank per id."""
+  width = math.prod(var.shape[1:])
+  return F.Gather(tf.reshape(op.inputs[1], [m, -1]), _rows(grad, m, width, var.dtype),
+                  tuple(var.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """How a use matches (`match(op, var_input)`: the kind, or None) and the factor it gives."""
+
+  match: Callable[[tf.Operation, tf.Tensor], Optional[str]]
+  factor: Callable[[tf.Operation, tf.Tensor, tf.Tensor, tf.Variable], F.Factor]
+
+
+# kind -> rule. `var_input` is the tensor through which the op reads the variable (a read, possibly
+# reshaped or cast; the resource handle itself for ResourceGather).
+RULES: dict[str, Rule] = {
+    "matmul": Rule(_match_matmul, _matmul_factor),
+    "zero_matmul": Rule(_match_zero_matmul, _zero_factor),
+    "conv": Rule(_match_conv, _conv_factor),
+    "bias_add": Rule(_match_bias_add, _bias_add_factor),
+    "gather": Rule(_match_gather, _gather_factor),
+}
+
+
+@tf.autograph.experimental.do_not_convert
+def match(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  """The kind of the rule that covers this use of a variable, or None (fallback)."""
+  for kind, rule in RULES.items():
+    if rule.match(op, var_input) is not None:
+      return kind
+  return None
+
+
+@tf.autograph.experimental.do_not_convert
+def factor(kind: str, op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+           var: tf.Variable) -> F.Factor:
+  """The factor of one use, from the op's inputs and the gradient `grad` of its output."""
+  return RULES[kind].factor(op, grad, m, var)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops that tf.vectorized_map (pfor) converts wrongly.
+
+
+def _grouped(op: tf.Operation) -> bool:
+  c = op.inputs[0].shape[-1 if _channels_last(op) else 1]
+  return c is None or c != op.inputs[1].shape[-2]
+
+
+# op type -> predicate: the per-example gradient of its filter is wrong under pfor (relative
+# error ~1 on TF 2.15, CPU; grouped Conv3D fails to run). Audited: Conv1D/2D/3D with strides,
+# dilation, groups; Conv*Transpose; Depthwise and Separable convs; LocallyConnected; pooling;
+# UpSampling; Embedding; SimpleRNN/LSTM/GRU (loop, unrolled, bidirectional, time-major); ConvLSTM2D;
+# MultiHeadAttention; Attention; Layer/Group/Unit normalization; PReLU; Resizing; padding, cropping.
+PFOR_WRONG: dict[str, Callable[[tf.Operation], bool]] = {
+    "Conv2D": _grouped,
+    "Conv3D": _grouped,
+}
+
+
+def _functions(op: tf.Operation) -> list[tf.Graph]:
+  """The bodies of the functions `op` calls (calls, while loops, conds)."""
+  graphs = []
+  for name, value in op.node_def.attr.items():
+    if value.HasField("func"):
+      try:
+        graphs.append(op.graph._get_function(value.func.name).graph)  # pylint: disable=protected-access
+      except (AttributeError, ValueError):
+        graphs.append(None)
+  return graphs
+
+
+@tf.autograph.experimental.do_not_convert
+def pfor_unsafe(t: tf.Tensor) -> bool:
+  """Whether the computation of `t` (function bodies included) meets an op of `PFOR_WRONG`."""
+  seen, stack = set(), [t.op]
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    if op.type in PFOR_WRONG and PFOR_WRONG[op.type](op):
+      return True
+    for body in _functions(op):
+      if body is None:
+        return True  # A body we cannot read: do not trust pfor with it.
+      stack.extend(body.get_operations())
+    stack.extend(i.op for i in op.inputs)
+  return False

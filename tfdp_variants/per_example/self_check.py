@@ -1,0 +1,333 @@
+"""The engine's self-check (SPEC §6): exact per-microbatch gradients on the first step of a trace.
+
+The engine's result rests on proofs about the traced graph (row grouping, per-op rules) and on TF's
+vectorization (pfor); either can be wrong for a model nobody tested. So on the first step after
+each trace, `guard` compares, for the first and the last microbatch i, what the engine gives in the
+forms DP-SGD reads (g_i materialized, ||g_i||², a weighted sum Σ_m w_m g_m) with an exact gradient
+of microbatch i's loss: one `tf.gradients` each, no pfor, no rule. The same backward pass gives the
+gradient with respect to the data entering the step (function arguments, iterator outputs), which
+must vanish on the rows of every other microbatch: otherwise the model mixes examples (batch
+statistics) and per-example gradients are undefined. Either failure raises InvalidArgumentError
+naming the variables or the input.
+
+The check sits under `tf.cond` on a flag made at trace time, and its backward passes are built
+inside the cond's branch (`tf.gradients` follows captured tensors into the enclosing graph), so a
+step after the first pays one variable read and the cond.
+
+What it cannot see, by design: microbatches other than the first and the last; the Gram matrix and
+inner products (NoisyGradient's projected noise), which `tests/test_per_example.py` ties to the
+materialized gradients; variables whose gradient came from a tape loop (exact, no pfor); mixing
+through `tf.stop_gradient`; and, when no float input with the batch on axis 0 enters the step (ids
+only, data closed over as constants), mixing at all: it says so in a log line rather than pass.
+Under XLA, which drops assertions, it refuses to run.
+
+`refuse_batch_statistics` is the static half: it finds batch normalization in training mode among
+the ops the loss depends on and refuses it at trace time, in `tf.function`s and eagerly alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Iterator, Optional, Sequence, TYPE_CHECKING
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+# No public API says whether a graph is compiled by XLA, or makes a variable in a retrace.
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import resource_variable_ops
+
+from tfdp_variants.per_example import factors as F
+
+if TYPE_CHECKING:
+  from tfdp_variants.per_example.engine import PerExampleGradients
+
+MIXING = ("examples are mixed by the model (e.g. BatchNormalization or a custom layer computing "
+          "batch statistics): {}. The loss of one example then depends on the other examples of "
+          "the batch, so per-example gradients, and the privacy guarantee with them, are "
+          "undefined. Use LayerNormalization/GroupNormalization instead of batch statistics.")
+MISMATCH = ("Per-example gradient self-check failed: on the first step, the per-microbatch "
+            "gradients of the engine differ from exact ones (one tf.gradients per microbatch) for "
+            "{}. This is a bug of the engine for the ops these variables feed: please report it "
+            "with the model, "
+            "and meanwhile replace the layers that own them. A relative error of inf means the "
+            "gradient itself is not finite (check the inputs and the loss).")
+
+_FUSED_NORM = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+_FUSED_NORM_GRAD = ("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3")
+_DATA_OPS = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue")
+_FUNCTION_ATTRS = ("f", "body", "cond", "then_branch", "else_branch")
+# The relative error allowed: float32 rounding is far below 1e-3; half precision widens it.
+_RTOL = {tf.float16: 1e-2, tf.bfloat16: 8e-2}
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch statistics, found in the graph.
+
+
+def _over_batch(x: tf.Tensor) -> bool:
+  """Whether statistics over axis 0 of `x` span several examples (LayerNormalization runs the fused
+  op on a (1, B·T, K, 1) reshape: axis 0 of size 1)."""
+  return not x.shape.rank or x.shape[0] != 1
+
+
+def _batch_statistics(op: tf.Operation) -> bool:
+  """A batch normalization in training mode, fused, or the mean of `tf.nn.moments` over axis 0."""
+  if op.type in _FUSED_NORM or op.type in _FUSED_NORM_GRAD:
+    x = op.inputs[0 if op.type in _FUSED_NORM else 1]
+    return bool(op.get_attr("is_training")) and _over_batch(x)
+  if op.type == "Mean" and "moments/" in op.name:
+    axes, rank = tf.get_static_value(op.inputs[1]), op.inputs[0].shape.rank
+    return axes is not None and rank is not None and 0 in np.atleast_1d(axes) % rank and (
+        _over_batch(op.inputs[0]))
+  return False
+
+
+def _capture_sources(graph: tf.Graph) -> dict[str, tf.Tensor]:
+  return {internal.name: external for external, internal in getattr(graph, "captures", ())
+          if isinstance(external, tf.Tensor) and hasattr(external, "op")}  # Symbolic only.
+
+
+def _ancestors(t: tf.Tensor) -> Iterator[tf.Operation]:
+  """The ops `t` depends on, following captured tensors into enclosing graphs."""
+  seen, stack, captures = set(), [t.op], {}
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    yield op
+    if op.type == "Placeholder":
+      if op.graph not in captures:
+        captures[op.graph] = _capture_sources(op.graph)
+      outer = captures[op.graph].get(op.outputs[0].name)
+      if outer is not None:
+        stack.append(outer.op)
+    stack.extend(x.op for x in op.inputs)
+
+
+def _nested_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
+  """The ops of `graph` and of the function bodies its ops call (while loops, conds, calls)."""
+  graphs, seen = [graph], set()
+  while graphs:
+    g = graphs.pop()
+    for op in g.get_operations():
+      yield op
+      for attr in _FUNCTION_ATTRS:
+        try:
+          name = op.get_attr(attr).name
+          body = g._get_function(name).graph  # pylint: disable=protected-access
+        except (AttributeError, ValueError, TypeError):
+          continue
+        if name not in seen:
+          seen.add(name)
+          graphs.append(body)
+
+
+def refuse_batch_statistics(ops: Iterator[tf.Operation]) -> None:
+  """Raises ValueError if one of `ops` normalizes with statistics over the batch."""
+  for op in ops:
+    if _batch_statistics(op):
+      raise ValueError(MIXING.format(f"op {op.name} ({op.type}) normalizes with statistics over "
+                                     "the batch") + " Or run the layer in inference mode.")
+
+
+def refuse_in_loss(mb_losses: tf.Tensor) -> None:
+  """`refuse_batch_statistics` over the ops the (traced) loss depends on."""
+  refuse_batch_statistics(_ancestors(mb_losses))
+
+
+def refuse_in_backward(graph: tf.Graph) -> None:
+  """`refuse_batch_statistics` over a traced backward pass (the eager path's Jacobian)."""
+  refuse_batch_statistics(_nested_ops(graph))
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime check.
+
+
+def data_inputs(graph: tf.Graph, batch_size: Optional[int]) -> list[tf.Tensor]:
+  """The float tensors that bring the batch into `graph`: iterator outputs and the function's
+  arguments; captured tensors only if there are neither (a step closing over its data)."""
+  captured = {t.name for t in getattr(graph, "internal_captures", ())}
+  data = [t for op in graph.get_operations() if op.type in _DATA_OPS for t in op.outputs]
+  data += [t for t in getattr(graph, "inputs", ()) if t.name not in captured]
+  if not data:
+    data = list(getattr(graph, "internal_captures", ()))
+  return [t for t in data if t.dtype.is_floating and t.shape.rank and (
+      batch_size is None or t.shape[0] in (None, batch_size))]
+
+
+@dataclasses.dataclass
+class _Checked:
+  """A factor whose every result waits for the self-check (`done`)."""
+
+  factor: F.Factor
+  done: tf.Tensor
+
+  @property
+  def rule(self) -> str:
+    return self.factor.rule
+
+  def _after(self, t: tf.Tensor) -> tf.Tensor:
+    with tf.control_dependencies([self.done]):
+      return tf.identity(t)
+
+  def squared_norms(self) -> tf.Tensor:
+    return self._after(self.factor.squared_norms())
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    return self._after(self.factor.weighted_sum(w))
+
+  def gram(self) -> tf.Tensor:
+    return self._after(self.factor.gram())
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    return self._after(self.factor.dots(x))
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    return self._after(self.factor.materialize(start, stop))
+
+
+def _sq(t: tf.Tensor) -> tf.Tensor:
+  return tf.reduce_sum(tf.square(tf.cast(t, tf.float32)))
+
+
+def _engine_values(factor: F.Factor, squared_norms: tf.Tensor, e0: tf.Tensor, e1: tf.Tensor,
+                   w: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
+  """(5,) what `factor` gives for microbatches 0 and M-1, against exact gradients e0 and e1:
+  ||g_0 - e0||², ||g_(M-1) - e1||², ||Σ_m w_m g_m - (e0 + 2·e1)||² with w = e_0 + 2·e_(M-1),
+  ||g_0||² and ||g_(M-1)||² (the forms DP-SGD reads: norms to clip, the weighted sum)."""
+  return tf.stack([
+      _sq(factor.materialize(0, 1)[0] - e0), _sq(factor.materialize(m - 1, m)[0] - e1),
+      _sq(factor.weighted_sum(tf.cast(w, e0.dtype)) - (e0 + 2 * e1)),
+      tf.cast(squared_norms[0], tf.float32), tf.cast(squared_norms[m - 1], tf.float32)])
+
+
+def _relative_errors(values: tf.Tensor, q0: tf.Tensor, q1: tf.Tensor) -> tf.Tensor:
+  """(variables, 5) errors of `_engine_values` (stacked), relative to the exact values.
+
+  q0, q1: the exact squared norms per variable. Each error has a floor of 1% of the microbatch's
+  gradient norm over all variables, so float32 rounding on a near-zero block is not an error.
+  """
+  n0, n1 = tf.sqrt(q0), tf.sqrt(q1)
+  f0, f1 = 1e-2 * tf.sqrt(tf.reduce_sum(q0)), 1e-2 * tf.sqrt(tf.reduce_sum(q1))
+  num = tf.stack([tf.sqrt(values[:, 0]), tf.sqrt(values[:, 1]), tf.sqrt(values[:, 2]),
+                  tf.abs(values[:, 3] - q0), tf.abs(values[:, 4] - q1)], axis=1)
+  den = tf.stack([n0 + f0, n1 + f1, n0 + 2 * n1 + f0 + 2 * f1, q0 + f0 * f0, q1 + f1 * f1], axis=1)
+  return num / (den + 1e-30)
+
+
+def _leak(grad: tf.Tensor, i: tf.Tensor, m: tf.Tensor, batch: tf.Tensor) -> tuple[tf.Tensor, ...]:
+  """(gradient norm on other microbatches' rows, on microbatch i's rows, whether rows = batch)."""
+  rows = tf.shape(grad)[0]
+  valid = tf.equal(rows, batch)
+  per_mb = tf.maximum(batch // m, 1)
+  other = tf.logical_and(valid, tf.not_equal(tf.range(rows) // per_mb, i))
+  sq = tf.reduce_sum(tf.reshape(tf.square(tf.cast(grad, tf.float32)), [rows, -1]), axis=1)
+  zero = tf.zeros_like(sq)
+  return (tf.sqrt(tf.reduce_sum(tf.where(other, sq, zero))),
+          tf.sqrt(tf.reduce_sum(tf.where(other, zero, sq))), valid)
+
+
+def _fill(template: str, value: tf.Tensor) -> tf.Tensor:
+  """`template.format(value)` for a string tensor (tf.strings.format would quote it)."""
+  before, after = template.split("{}")
+  return before + value + after
+
+
+def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
+           data: list[tf.Tensor], batch: tf.Tensor, rtol: float) -> tf.Tensor:
+  """Whether the check ran (the exact gradients are finite), after its assertions; built in the
+  current (branch) graph. A non-finite step is left to `validation.assert_finite` and checked
+  again on the next step."""
+  m = tf.cast(grads.num_microbatches, tf.int32)
+  checked = [k for k, s in enumerate(sources) if s is not None]
+  names = tf.constant([grads.variables[k].name for k in checked] or [""])
+  factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
+  squared_norms = {k: factors[k].squared_norms() for k in checked}
+  exact, leaks, owns, valids = [], [], [], []
+  for i in (tf.constant(0), m - 1):
+    grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked] + data)
+    exact.append([tf.zeros(grads.variables[k].shape, grads.variables[k].dtype) if g is None else
+                  tf.reshape(tf.convert_to_tensor(g), grads.variables[k].shape)
+                  for k, g in zip(checked, grads_i)])
+    for g in grads_i[len(checked):]:
+      if g is None:  # The input does not reach the loss.
+        leak, own, valid = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
+      else:
+        leak, own, valid = _leak(tf.convert_to_tensor(g), i, m, batch)
+      leaks.append(leak)
+      owns.append(own)
+      valids.append(valid)
+  q0, q1 = [tf.stack([_sq(g) for g in e] or [0.0]) for e in exact]  # Exact squared norms.
+  finite = tf.reduce_all(tf.math.is_finite(tf.concat([q0, q1, tf.stack(leaks + owns or [0.0])], 0)))
+  w = tf.one_hot(0, m) + 2 * tf.one_hot(m - 1, m)
+  values = tf.stack([_engine_values(factors[k], squared_norms[k], e0, e1, w, m)
+                     for k, e0, e1 in zip(checked, *exact)] or [tf.zeros(5)])
+  error = _relative_errors(values, q0, q1)  # (variables, 5)
+  worst = tf.reduce_max(tf.where(tf.math.is_nan(error), np.inf, error), axis=1)
+  bad = tf.logical_not(tf.reduce_all(error <= rtol, axis=1))
+  mismatch = tf.strings.reduce_join(
+      tf.boolean_mask(names, bad) + " (relative error " + tf.strings.as_string(
+          tf.boolean_mask(worst, bad), precision=1, scientific=True) + ")", separator=", ")
+  passed = lambda failed: tf.logical_or(tf.logical_not(finite), tf.logical_not(failed))
+  asserts = []
+  if data:
+    n = len(data)
+    leak, own = tf.reshape(tf.stack(leaks), [2, n]), tf.reshape(tf.stack(owns), [2, n])
+    mixed = tf.reduce_any(tf.logical_not(leak <= 1e-6 * own), axis=0)
+    inputs = tf.constant([f"the loss of a microbatch depends on the rows of other microbatches "
+                          f"in the input {t.name} of the step" for t in data])
+    asserts.append(tf.debugging.Assert(passed(tf.reduce_any(mixed)), [
+        _fill(MIXING, tf.strings.reduce_join(tf.boolean_mask(inputs, mixed), separator="; "))]))
+
+    def unchecked():
+      with tf.control_dependencies([tf.print(
+          "tfdp_variants self-check: no input of the step has the batch's size on axis 0; the "
+          "check for layers that mix examples did not run.")]):
+        return tf.constant(False)
+
+    asserts.append(tf.cond(tf.reduce_any(tf.stack(valids)), lambda: tf.constant(True), unchecked))
+  with tf.control_dependencies(asserts):
+    asserts.append(tf.debugging.Assert(passed(tf.reduce_any(bad)), [_fill(MISMATCH, mismatch)]))
+  with tf.control_dependencies(asserts):
+    return tf.identity(finite)
+
+
+def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
+          sources: Sequence[Optional[tf.Tensor]], dtypes: set[tf.DType]) -> PerExampleGradients:
+  """`grads`, whose results wait for the self-check of this trace.
+
+  Args:
+    grads: the engine's result.
+    mb_losses: the (M,) microbatch losses it is the Jacobian of.
+    loss: the per-example losses, (B, ...).
+    sources: per variable, the tensor `tf.gradients` differentiates for it (its captured handle),
+      or None for a variable the check cannot differentiate (its gradient came from a tape).
+    dtypes: the dtypes the per-example computation ran in; float16 widens the tolerance.
+  """
+  graph = mb_losses.graph
+  if control_flow_util.GraphOrParentsInXlaContext(graph):
+    raise ValueError(
+        "jit_compile=True: XLA drops in-graph assertions, so the per-example self-check could not "
+        "stop a wrong step. Pass self_check=False to the DP optimizer to train under XLA without "
+        "it, or compile the model with jit_compile=False.")
+  rtol = max(_RTOL.get(d, 1e-3) for d in dtypes)
+  data = data_inputs(graph, loss.shape[0])
+  if not data:
+    logging.warning("Per-example self-check: no float input with the batch on axis 0 enters the "
+                    "traced step (%s), so the check for layers that mix examples cannot run; the "
+                    "gradient comparison still does.", graph.name)
+  with tf.init_scope():  # A fresh flag per trace: every retrace is checked again.
+    done = resource_variable_ops.ResourceVariable(False, trainable=False,
+                                                  name="per_example_self_check")
+
+  def check():
+    return done.assign(_check(grads, mb_losses, sources, data, tf.shape(loss)[0], rtol),
+                       read_value=True)
+
+  ok = tf.cond(done.read_value(), lambda: tf.constant(True), check)
+  return type(grads)(grads.variables, [_Checked(f, ok) for f in grads.factors],
+                     grads.num_microbatches)
