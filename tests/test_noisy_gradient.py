@@ -9,6 +9,7 @@ import tensorflow as tf
 import tfdp_variants
 import tfdp_variants.algorithms.noisy_gradient as ng  # Registers "noisy_gradient".
 from tfdp_variants import metrics
+from tfdp_variants import noise
 
 L = tf.keras.layers
 B = 8
@@ -82,20 +83,21 @@ def test_noiseless_ac_is_clip_and_mean(num_microbatches):
 
 
 def test_ac_with_a_fixed_noise_draw_is_noise_then_clip(monkeypatch):
-  """tf.random.normal replaced by a fixed draw per shape; chunks of 4 each get the same block."""
+  """The noise replaced by a fixed draw per shape; chunks of 4 each get the same block."""
   x, y = _data()
   sigma, clip, chunk = 0.05, 5.0, 4
 
-  def fixed_normal(shape, mean=0.0, stddev=1.0, dtype=tf.float32, seed=None, name=None):
-    return tf.random.stateless_normal(shape, seed=[3, 4], dtype=dtype) * stddev + mean
+  def fixed_normal(shape, dtype=tf.float32):
+    return tf.random.stateless_normal(shape, seed=[3, 4], dtype=dtype)
 
   grads = _reference_microbatch_grads(x, y, B)
-  noise = [np.tile(fixed_normal((chunk, *g.shape[1:])).numpy(), (B // chunk,) + (1,) * (g.ndim - 1))
+  draws = [np.tile(fixed_normal((chunk, *g.shape[1:])).numpy(), (B // chunk,) + (1,) * (g.ndim - 1))
            * sigma * clip for g in grads]
-  assert not np.allclose(noise[0][0], noise[0][1])
-  want, norms = _noise_then_clip_mean(grads, noise, clip)
+  assert not np.allclose(draws[0][0], draws[0][1])
+  want, norms = _noise_then_clip_mean(grads, draws, clip)
   assert norms.min() < clip < norms.max()
-  monkeypatch.setattr(tf.random, "normal", fixed_normal)
+  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
+                      fixed_normal(shape, dtype))
   got = _sgd_update(NGSGD(clip, sigma, noise_sampling="direct", chunk_size=chunk,
                           learning_rate=1.0), x, y)
   _assert_close(got, want)
@@ -176,8 +178,9 @@ def test_projected_sampler_has_the_literal_distribution(p):
 def test_gram_of_gaussians_moments(dim):
   """E B_ii = dim s², Var B_ij = dim s⁴ (i ≠ j): Wishart moments, for both sampling paths."""
   s, num = 0.5, 3
-  draws = np.stack([ng.gram_of_gaussians(tf.constant(num), tf.constant(dim), s, max_dim=dim)
-                    for _ in range(400)])
+  source = noise.NoiseSource()
+  draws = np.stack([ng.gram_of_gaussians(source, tf.constant(num), tf.constant(dim), s,
+                                         max_dim=dim) for _ in range(400)])
   np.testing.assert_allclose(draws[:, range(num), range(num)].mean(), dim * s**2, rtol=0.03)
   np.testing.assert_allclose(draws[:, 0, 1].var(), dim * s**4, rtol=0.2)
   np.testing.assert_allclose(draws, np.swapaxes(draws, 1, 2))
@@ -198,7 +201,7 @@ def test_ac_clips_each_noised_gradient_to_c(sampling):
 def test_ca_is_dp_sgd(monkeypatch):
   """CA equals DP-SGD's update, noise included (a fixed draw)."""
   x, y = _data()
-  monkeypatch.setattr(tf.random, "normal", lambda shape, dtype=tf.float32, **_:
+  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
                       tf.random.stateless_normal(shape, seed=[5, 6], dtype=dtype))
   got = _sgd_update(NGSGD(0.3, 2.0, order="clip_then_noise", learning_rate=1.0), x, y)
   want = _sgd_update(tfdp_variants.DPSGD(0.3, 2.0, learning_rate=1.0), x, y)

@@ -91,12 +91,15 @@ def test_noise_is_added_to_clipped_sum():
 
 
 def test_eager_equals_graph():
+  """The eager (Jacobian) and graph (factored) paths privatize alike. SGD's update is lr·ĝ, so
+  the weights differ by float32 rounding only (Adam's first step, ≈ lr·sign(ĝ), amplifies it)."""
   x, y = _data()
   args = dict(l2_norm_clip=0.3, noise_multiplier=0.0, num_microbatches=4, learning_rate=0.5)
-  graph = _one_step(tfdp_variants.DPAdam(**args), x, y)
-  eager = _one_step(tfdp_variants.DPAdam(**args), x, y, run_eagerly=True)
-  for g, e in zip(graph.get_weights(), eager.get_weights()):
-    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+  graph = _one_step(tfdp_variants.DPSGD(**args), x, y)
+  eager = _one_step(tfdp_variants.DPSGD(**args), x, y, run_eagerly=True)
+  for g, e, w0 in zip(graph.get_weights(), eager.get_weights(), _model().get_weights()):
+    assert not np.allclose(g, w0)
+    np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
 
 
 def test_fit_takes_the_fast_path():

@@ -2,10 +2,12 @@
 
 import math
 
+import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras
 
 import tfdp_variants
@@ -117,6 +119,29 @@ def test_classes_labels_and_step_event():
   opt = _pi(tf.keras.optimizers.RMSprop)(4.0, 2.0, learning_rate=1e-3)
   assert opt.step_event(0.01) == accounting.step_event(2.0, 0.01)
   assert opt.nominal_step_event(0.01) == opt.step_event(0.01)
+
+
+@pytest.mark.parametrize("num_microbatches,batch_size,used_microbatching", [
+    (300, None, True), (300, 600, True), (None, None, False), (600, 600, False)])
+def test_microbatch_sensitivity_equals_tf_privacy(num_microbatches, batch_size,
+                                                  used_microbatching):
+  """PIGDO's setup (lot 600, 300 microbatches, q = 0.01, σ = 2, T = 40,000): the certified RDP ε
+  is TF Privacy's with used_microbatching=True (σ/2), 15.26; one example per microbatch, 5.12."""
+  q, sigma, steps = 0.01, 2.0, 40_000
+  opt = _pi(tf.keras.optimizers.Adam)(4.0, sigma, num_microbatches=num_microbatches,
+                                       learning_rate=1e-3)
+  run = dp_accounting.SelfComposedDpEvent(opt.step_event(q, batch_size), steps)
+  # pylint: disable-next=protected-access
+  example_privacy = compute_dp_sgd_privacy_lib._compute_dp_sgd_example_privacy
+  theirs = example_privacy(steps * q, sigma, DELTA, used_microbatching,
+                           poisson_subsampling_probability=q)
+  # TF Privacy's accountant here has dp_accounting's default orders; ours, TF Privacy's
+  # compute_dp_sgd_privacy orders (a slightly coarser grid).
+  assert dp_accounting.rdp.RdpAccountant().compose(run).get_epsilon(DELTA) == pytest.approx(
+      theirs, rel=1e-9)
+  assert accounting.epsilon_of_event(run, DELTA) == pytest.approx(
+      15.26 if used_microbatching else 5.12, abs=0.01)
+  assert opt.nominal_step_event(q, batch_size) == opt.step_event(q, batch_size)
 
 
 def test_noise_std_is_sigma_c_over_m():

@@ -8,7 +8,7 @@ from tensorflow_privacy.privacy.dp_query import quantile_adaptive_clip_sum_query
 
 import tfdp_variants
 from tfdp_variants import accounting
-from tfdp_variants import transforms
+from tfdp_variants import noise
 import tfdp_variants.algorithms.quantile_clip  # pylint: disable=unused-import  (registers it)
 
 L = tf.keras.layers
@@ -96,11 +96,9 @@ def test_direct_noise_std_is_sigma_times_threshold(per_layer, monkeypatch):
   rng = np.random.default_rng(2)
   draws = [rng.normal(size=w.shape).astype("float32") for w in _model().get_weights()]
 
-  def fixed_noise(tensors, stddev):
-    stddevs = stddev if isinstance(stddev, list) else [stddev] * len(tensors)
-    return [t + tf.cast(s, t.dtype) * z for t, s, z in zip(tensors, stddevs, draws)]
-
-  monkeypatch.setattr(transforms, "add_gaussian_noise", fixed_noise)
+  shapes = {tuple(d.shape): d for d in draws}
+  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
+                      tf.constant(shapes[tuple(tf.get_static_value(shape))], dtype))
   _, history = _fit(QuantileClipSGD(1.0, sigma, per_layer=per_layer, learning_rate=1.0))
   grads = _microbatch_grads(history[0])
   bounds = [np.median(n) for n in _norms(grads, per_layer)]
@@ -188,6 +186,66 @@ def test_geometric_count_noise_std():
   assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * draws.size)
 
 
+def _linear_records(clip0, lr, count_stddev, quantile=0.4, geometric_update=True):
+  """An optimizer whose per-example gradients are the rows of a fixed matrix (loss = x·w), and
+  TF Privacy's query over the same records."""
+  x = (np.random.default_rng(4).normal(size=(B, 3)) * np.linspace(0.2, 3, B)[:, None]).astype(
+      "float32")
+  opt = QuantileClipSGD(clip0, 0.0, quantile=quantile, method="geometric", clip_learning_rate=lr,
+                        clipped_count_stddev=count_stddev, geometric_update=geometric_update,
+                        learning_rate=1.0)
+  var = tf.Variable(tf.zeros([3]))
+  opt.build([var])
+
+  @tf.function
+  def step(reset):
+    if reset:  # Each draw from C_0 again.
+      opt.algorithm.clip.assign(clip0)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(x * var, 1)
+    opt.compute_gradients(loss, [var], tape)
+    return opt.algorithm.clip.read_value()
+
+  query = quantile_adaptive_clip_sum_query.QuantileAdaptiveClipSumQuery(
+      clip0, 0.0, quantile, lr, count_stddev, B, geometric_update)
+  return x, step, query
+
+
+def _tf_privacy_step(query, state, x):
+  """One round of TF Privacy's query over the records x; returns the new global state."""
+  params = query.derive_sample_params(state)
+  sample = query.initial_sample_state(tf.zeros([3]))
+  for record in x:
+    sample = query.accumulate_record(params, sample, tf.constant(record))
+  return query.get_noised_result(sample, state)[1]
+
+
+@pytest.mark.parametrize("geometric_update", [True, False])
+def test_geometric_clips_equal_tf_privacy_without_noise(geometric_update):
+  x, step, query = _linear_records(1.0, 0.3, 0.0, geometric_update=geometric_update)
+  state, clips = query.initial_global_state(), []
+  for _ in range(6):
+    state = _tf_privacy_step(query, state, x)
+    clips.append((step(False).numpy(), state.sum_state.l2_norm_clip.numpy()))
+  ours, theirs = np.array(clips).T
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+  assert len(set(np.round(ours, 4))) == 6  # The clip moved every step.
+
+
+def test_geometric_count_noise_has_tf_privacy_distribution():
+  """With count noise s, log(C_1/C_0)/−η = b̃ − q: the same mean and spread as TF Privacy's."""
+  s, lr = 2.0, 1.0
+  x, step, query = _linear_records(1.5, lr, s, quantile=0.5)
+  draws = {"ours": [], "theirs": []}
+  for _ in range(300):
+    draws["ours"].append(np.log(step(True).numpy() / 1.5) / -lr)
+    clip = _tf_privacy_step(query, query.initial_global_state(), x).sum_state.l2_norm_clip
+    draws["theirs"].append(np.log(clip.numpy() / 1.5) / -lr)
+  ours, theirs = np.array(draws["ours"]), np.array(draws["theirs"])
+  assert abs(ours.mean() - theirs.mean()) < 5 * s / B / np.sqrt(300)
+  assert abs(ours.std() / theirs.std() - 1) < 0.2
+
+
 # Guarantees and accounting.
 
 
@@ -207,7 +265,8 @@ def test_direct_has_no_certified_event():
 
 
 def test_geometric_event_equals_tf_privacy_query_event():
-  """TF Privacy's own query reports the same two Gaussians for the flat case."""
+  """TF Privacy's own query reports the same two Gaussians for the flat case; with microbatches
+  of several examples both sensitivities double (count records ±½ may flip: ½ → 1)."""
   sigma, stddev, num_records = 1.1, 3.2, 64
   query = quantile_adaptive_clip_sum_query.QuantileAdaptiveClipSumQuery(
       1.0, sigma, 0.5, 0.2, stddev, num_records)
@@ -221,6 +280,12 @@ def test_geometric_event_equals_tf_privacy_query_event():
   assert ours.event.events[1].noise_multiplier == pytest.approx(2 * stddev)  # Default E / 20.
   assert QuantileClipAdam(1.0, sigma, method="geometric", clipped_count_stddev=stddev
                           ).step_event(1.0) == ours.event
+  micro = QuantileClipAdam(1.0, sigma, method="geometric", clipped_count_stddev=stddev,
+                           num_microbatches=4)
+  assert micro.step_event(0.02) == dp_accounting.PoissonSampledDpEvent(
+      0.02, dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma / 2),
+                                           dp_accounting.GaussianDpEvent(stddev)]))
+  assert micro.step_event(0.02, batch_size=4) == ours
 
 
 def test_geometric_per_layer_epsilon_equals_dp_accounting():
@@ -228,11 +293,13 @@ def test_geometric_per_layer_epsilon_equals_dp_accounting():
   sigma, stddev, q, steps, delta = 1.0, 2.0, 0.01, 500, 1e-5
   opt = QuantileClipAdam(1.0, sigma, per_layer=True, method="geometric",
                          clipped_count_stddev=stddev)
-  with pytest.raises(ValueError, match="after the optimizer is built"):
+  with pytest.raises(ValueError, match="pass num_layers"):
     opt.step_event(q)
   model = _model()
-  opt.build(model.trainable_variables)
   k = len(model.trainable_variables)
+  before_build = opt.step_event(q, num_layers=k)
+  opt.build(model.trainable_variables)
+  assert opt.step_event(q) == before_build
   reference = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(sigma)] * k + [dp_accounting.GaussianDpEvent(2 * stddev)] * k))
   want = dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(

@@ -9,6 +9,7 @@ import tensorflow as tf
 import tfdp_variants
 import tfdp_variants.algorithms.tanh_filter  # Registers "tanh_filter".
 from tfdp_variants import accounting
+from tfdp_variants import noise
 
 L = tf.keras.layers
 B = 8
@@ -51,7 +52,8 @@ def _sgd_step(optimizer, monkeypatch=None):
   model = _linear()
   w0, b0 = [v.astype(np.float64) for v in model.get_weights()]
   if monkeypatch is not None:
-    monkeypatch.setattr(tf.random, "normal", _fixed_normal)
+    monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
+                        _fixed_normal(shape, dtype))
   model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
   model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
   w1, b1 = model.get_weights()
@@ -153,16 +155,26 @@ def test_step_events_use_true_sensitivity():
   """Certified: Gaussian σ/(c√n), n the model's parameter count; nominal: the paper's σ."""
   sigma, c, q = 1.1, 2.0, 256 / 60000
   opt = _cls(tf.keras.optimizers.Adam)(1.0, sigma, output_range=c)
-  with pytest.raises(ValueError, match="optimizer.build"):
+  with pytest.raises(ValueError, match="pass num_parameters"):
     opt.step_event(q)
+  n = 3 * 3 * 3 + 3 + 48 * 5 + 5 + 5 * 3 + 3
+  before_build = opt.step_event(q, num_parameters=n)
   model, _, _ = _fit(opt)
-  n = model.count_params()
-  assert n == 3 * 3 * 3 + 3 + 48 * 5 + 5 + 5 * 3 + 3
-  assert opt.step_event(q) == accounting.step_event(sigma / (c * math.sqrt(n)), q)
+  assert model.count_params() == n
+  assert opt.step_event(q) == before_build == accounting.step_event(sigma / (c * math.sqrt(n)), q)
+  with pytest.raises(ValueError, match="disagrees"):
+    opt.step_event(q, num_parameters=n + 1)
   assert opt.nominal_step_event(q) == accounting.step_event(sigma, q)
+  # Several examples per microbatch: each coordinate of a record may move across (−c, c), 2c√n.
+  assert opt.step_event(q, replace_one=True) == accounting.step_event(
+      sigma / (2 * c * math.sqrt(n)), q)
+  assert opt.nominal_step_event(q, replace_one=True) == accounting.step_event(sigma / 2, q)
   certified = _cls()(1.0, sigma, output_range=c, certified=True)
   assert certified.step_event(q) == certified.nominal_step_event(q) == accounting.step_event(
       sigma, q)
+  micro = _cls()(1.0, sigma, output_range=c, certified=True, num_microbatches=4)
+  assert micro.step_event(q) == accounting.step_event(sigma / 2, q)
+  assert micro.step_event(q, batch_size=4) == accounting.step_event(sigma, q)
 
 
 @pytest.mark.parametrize("certified", [False, True])

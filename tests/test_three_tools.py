@@ -10,6 +10,7 @@ import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import data
 from tfdp_variants import large_batch
+from tfdp_variants import noise
 from tfdp_variants import sanity
 import tfdp_variants.algorithms.adaptive_clip as adaptive_clip
 
@@ -49,8 +50,8 @@ def _reference_grads(weights, x, y):
 def test_adaptive_steps_equal_paper_formula(monkeypatch):
   """Two SGD steps (lr 1) with every noise draw fixed at 1: weights and bounds against NumPy."""
   sigma, sigma_n, alpha, beta, c0 = 0.3, 2.5, 1.1, 2.0, [0.05, 0.2, 0.1, 0.4]
-  monkeypatch.setattr(tf.random, "normal", lambda shape, mean=0.0, stddev=1.0, dtype=tf.float32,
-                      seed=None, name=None: tf.ones(shape, dtype))
+  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
+                      tf.ones(shape, dtype))
   x, y = _data()
   model = _model()
   opt = AdaptiveClipSGD(1.0, sigma, alpha=alpha, beta=beta, norm_noise_multiplier=sigma_n,
@@ -81,7 +82,8 @@ def test_bound_noise_is_centered_with_std_alpha_sigma_n_beta_c_over_b():
   alpha, beta, sigma_n, c, m, k = 0.9, 2.0, 0.5, 0.5, 4, 4000
   bounds = tf.fill([k], c)
   norms = [tf.fill([m], 5.0)] * k  # All clipped to βC: the sum is m·βC.
-  got = adaptive_clip.private_mean_norms(norms, bounds, alpha, beta, sigma_n, tf.constant(m))
+  query = noise.GaussianSumQuery(noise.NoiseSource(), sigma_n, replace_sensitivity=1.0)
+  got = adaptive_clip.private_mean_norms(norms, bounds, alpha, beta, query, tf.constant(m))
   mean, std = alpha * beta * c, alpha * sigma_n * beta * c / m
   assert abs(np.mean(got) - mean) < 4 * std / np.sqrt(k)
   assert abs(np.std(got) / std - 1) < 4 / np.sqrt(2 * k)
@@ -118,6 +120,14 @@ def test_step_event_is_the_composition_of_the_per_layer_gaussians():
   assert pld(algorithm.step_event(1.0)) == pytest.approx(pld(explicit), rel=1e-2)
   # The norm query costs privacy beyond the gradient query alone.
   assert ours > accounting.epsilon(sigma / np.sqrt(k), q, steps, delta)
+  # Several examples per microbatch: each clipped layer record may move by 2C^l; the norm
+  # records min(‖g^l‖, C_n^l) ∈ [0, C_n^l] still by C_n^l only.
+  replaced = dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(sigma / 2)] * k + [dp_accounting.GaussianDpEvent(sigma_n)] * k)
+  assert rdp(algorithm.step_event(q, replace_one=True)) == pytest.approx(
+      rdp(dp_accounting.PoissonSampledDpEvent(q, replaced)), rel=1e-9)
+  assert adaptive_clip.AdaptiveClip(1.0, sigma).step_event(q, num_layers=k) == (
+      algorithm.step_event(q))
   assert adaptive_clip.AdaptiveClip(1.0, sigma, norm_noise_multiplier=0.0,
                                     initial_l2_norm_clips=[1.0]).step_event(q) == (
                                         accounting.step_event(0.0, q))
@@ -162,7 +172,7 @@ def test_bad_options(kwargs, match):
 
 
 def test_bounds_must_match_variables_and_k_must_be_known():
-  with pytest.raises(ValueError, match="number of layers K"):
+  with pytest.raises(ValueError, match="depends on num_layers"):
     AdaptiveClipAdam(1.0, 1.0).step_event(0.01)
   model = _model()
   model.compile(optimizer=AdaptiveClipAdam(1.0, 1.0, initial_l2_norm_clips=[1.0, 1.0]),
@@ -188,7 +198,8 @@ def test_non_private_twin():
 def test_memorization_dp_stays_at_chance_while_twin_memorizes():
   x = data.load_digits()[0][0][:128]
   results = sanity.memorization_test(
-      _image_model, tfdp_variants.DPSGD(1.0, 4.0, learning_rate=0.1, momentum=0.9), _loss(), 4,
+      _image_model, tfdp_variants.DPSGD(1.0, 4.0, learning_rate=0.1, momentum=0.9,
+                                        noise_seed=0), _loss(), 4,
       x, epochs=30, batch_size=32)
   assert set(results) == {"random_inputs", "random_labels"}
   for result in results.values():
@@ -221,11 +232,16 @@ def test_user_level_pattern_data(placement, num_patterned):
     sanity.user_level_pattern_data(50, 4, (6, 6), 3, 5, "spread")
 
 
+# The sanity tests' verdicts are statistical: their DP noise is seeded (not private) to be
+# deterministic, as their data and initialisation are.
+
+
 def _pattern_test(placement, num_patterned):
   model_fn = lambda: tf.keras.Sequential([L.Input((8, 8, 1)), L.Flatten(),
                                           L.Dense(32, activation="relu"), L.Dense(4)])
   return sanity.user_level_pattern_test(
-      model_fn, tfdp_variants.DPSGD(1.0, 1.5, learning_rate=0.1, momentum=0.9), _loss(),
+      model_fn, tfdp_variants.DPSGD(1.0, 1.5, learning_rate=0.1, momentum=0.9, noise_seed=0),
+      _loss(),
       placement=placement, num_patterned=num_patterned, num_users=64, records_per_user=4,
       image_shape=(8, 8), num_classes=4, users_per_batch=16, epochs=20, num_probes=200)
 

@@ -182,6 +182,15 @@ def poisson_sampled(event: dp_accounting.DpEvent,
   return dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
 
 
+def composed(events: Sequence[dp_accounting.GaussianDpEvent]) -> dp_accounting.DpEvent:
+  """Several Gaussian queries on one sample as one event: the event itself when there is one,
+  `GaussianDpEvent(0)` (no privacy: ε = ∞) when any query has no noise (the accountants' reduction
+  of composed Gaussians divides by each σ), else their `ComposedDpEvent`."""
+  if any(e.noise_multiplier == 0 for e in events):
+    return dp_accounting.GaussianDpEvent(0.0)
+  return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(list(events))
+
+
 def per_layer_noise_multiplier(noise_multiplier: float, num_layers: int) -> float:
   """σ_eff of per-layer clipping with noise σ·C_k on each of K layers clipped to C_k.
 

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
+import warnings
+import weakref
 from typing import ClassVar, Optional
 
 from absl import logging
@@ -26,6 +29,7 @@ import dp_accounting
 import tensorflow as tf
 
 from tfdp_variants import algorithms
+from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 from tfdp_variants import validation
 
@@ -39,6 +43,49 @@ def _is_legacy(cls: type) -> bool:
   return issubclass(cls, tf.keras.optimizers.legacy.Optimizer)
 
 
+def _copied(t) -> list:
+  """`t` and the tensors it copies through Identity ops (Keras' gradient aggregation adds them)."""
+  chain = [t]
+  while tf.is_symbolic_tensor(t) and t.op.type in ("Identity", "IdentityN"):
+    t = t.op.inputs[t.value_index]
+    chain.append(t)
+  return chain
+
+
+class _Released:
+  """The gradients one `compute_gradients` returned, by weak reference (nothing tracked or saved).
+
+  `apply_gradients` accepts these tensors and nothing else; under the LossScaleOptimizer that
+  called `compute_gradients`, the ones it unscaled from them. Eager tensors keep no history, so
+  there the unscaled values are computed here as the wrapper computes them, and compared.
+  """
+
+  def __init__(self, grads, variables, wrapper):
+    self._refs = weakref.WeakValueDictionary({id(g): g for g in grads})
+    self._wrapper = None if wrapper is None else weakref.ref(wrapper)
+    self._unscaled = {}
+    if wrapper is not None and tf.executing_eagerly():
+      inverse = 1.0 / wrapper.loss_scale
+      self._unscaled = {id(v): g * tf.cast(inverse, g.dtype) for g, v in zip(grads, variables)}
+
+  def _ours(self, t) -> bool:
+    return any(self._refs.get(id(c)) is c for c in _copied(t))
+
+  def accepts(self, grad, var, wrapper) -> bool:
+    if not isinstance(grad, tf.Tensor):
+      return False
+    if self._ours(grad):
+      return True
+    if self._wrapper is None or wrapper is not self._wrapper():
+      return False
+    if tf.is_symbolic_tensor(grad):  # The wrapper's g · (1/s).
+      op = _copied(grad)[-1].op
+      return op.type == "Mul" and any(self._ours(x) for x in op.inputs) and any(
+          x.shape.rank == 0 for x in op.inputs)
+    unscaled = self._unscaled.get(id(var))
+    return unscaled is not None and bool(tf.reduce_all(tf.equal(grad, unscaled)))
+
+
 class DPOptimizerMixin:
   """Per-microbatch gradients, privatized by `algorithm_cls`, for a Keras optimizer.
 
@@ -46,17 +93,33 @@ class DPOptimizerMixin:
     l2_norm_clip: C, the bound on each microbatch gradient's L2 norm.
     noise_multiplier: σ; the noise added to the sum of clipped gradients has std σC.
     num_microbatches: M; None means one microbatch per example. The batch size must divide by it.
+    expected_batch_size: for Poisson sampling, the expected batch size q·N (Opacus' name): the
+      noised sum is divided by it, not by the realized batch size, which the update would reveal
+      un-noised. Needs num_microbatches None (a Poisson batch cannot be split into equal parts).
+    noise_seed: None (default): the noise is secret, from OS entropy (`tfdp_variants.noise`). An
+      int makes it reproducible, for debugging only: then `privacy_guarantee` is "none" and
+      `step_event` None, since anyone who knows the seed can remove the noise.
+    self_check: on the first step after each trace, compare the per-example gradients with exact
+      ones and refuse models that mix examples (`per_example.self_check`); its steady-state cost
+      is one variable read and a `tf.cond`. Off is needed under XLA (`jit_compile=True`).
     **kwargs: the algorithm's options, then the base optimizer's arguments (learning_rate, ...).
+
+  Attributes:
+    dp_steps: an int64 variable counting privatized steps, incremented in the graph of each step
+      (every step of a `steps_per_execution` loop) and saved with the optimizer's state.
   """
 
   algorithm_cls: ClassVar[type[algorithms.Algorithm]] = algorithms.DPSGD
+  base_cls: ClassVar[type]  # The Keras optimizer class; set by `make_dp_optimizer_class`.
   default_options: ClassVar[dict] = {}
   # The class attribute is the label of the algorithm's default options; an instance's is its own
   # (e.g. NoisyGradientAdam is "none", NoisyGradientAdam(order="clip_then_noise") "certified").
   privacy_guarantee: str = "certified"
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
-               num_microbatches: Optional[int] = None, **kwargs):
+               num_microbatches: Optional[int] = None,
+               expected_batch_size: Optional[float] = None, noise_seed: Optional[int] = None,
+               self_check: bool = True, **kwargs):
     options = dict(self.default_options)
     options.update({k: kwargs.pop(k) for k in _options_of(self.algorithm_cls) if k in kwargs})
     algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options)
@@ -64,13 +127,35 @@ class DPOptimizerMixin:
                                              and num_microbatches > 0):
       raise ValueError(f"num_microbatches must be a positive int or None, got "
                        f"{num_microbatches!r}.")
+    if expected_batch_size is not None:
+      if not (validation.is_finite_real(expected_batch_size) and expected_batch_size > 0):
+        raise ValueError(f"expected_batch_size must be a finite number > 0 or None, got "
+                         f"{expected_batch_size!r}: use q·N, the sampling rate times the number "
+                         "of training examples.")
+      if num_microbatches is not None:
+        raise ValueError("expected_batch_size (Poisson sampling: batches of varying size) cannot "
+                         "be used with num_microbatches: a varying batch cannot be split into "
+                         f"{num_microbatches} equal microbatches. Leave num_microbatches None "
+                         "(one example per microbatch).")
+    algorithm.expected_batch_size = (None if expected_batch_size is None
+                                     else float(expected_batch_size))
+    algorithm.noise.set_seed(noise_seed)
+    if noise_seed is not None:
+      warnings.warn(f"{type(self).__name__}: noise_seed={noise_seed} makes the DP noise "
+                    "reproducible by anyone who knows the seed, who can then remove it: no privacy "
+                    "guarantee (privacy_guarantee='none', step_event None). Use it only to debug; "
+                    "leave noise_seed None to train privately.", stacklevel=2)
     kwargs.setdefault("name", type(self).__name__)
     super().__init__(**kwargs)
     self.algorithm = algorithm
-    self.privacy_guarantee = algorithm.privacy_guarantee
+    self.privacy_guarantee = "none" if noise_seed is not None else algorithm.privacy_guarantee
     self.num_microbatches = num_microbatches
+    self.expected_batch_size = algorithm.expected_batch_size
+    self.noise_seed = noise_seed
+    self.self_check = self_check
+    self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
     self.per_example_rules: Optional[tuple[str, ...]] = None
-    self._dp_gradients_computed = False
+    self._dp_released: Optional[_Released] = None
     self._algorithm_built = False
 
   @property
@@ -81,13 +166,51 @@ class DPOptimizerMixin:
   def noise_multiplier(self) -> float:
     return self.algorithm.noise_multiplier
 
-  def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
-    """The dp_accounting event one step certifiably is (None when there is no guarantee)."""
-    return self.algorithm.step_event(sampling_probability)
+  def _replace_one(self, batch_size: Optional[int], replace_one: bool) -> bool:
+    """Whether one record may be replaced: asked for, or microbatches of possibly several
+    examples (one example each only when num_microbatches is None or equals the batch size)."""
+    return replace_one or (self.num_microbatches is not None
+                           and batch_size != self.num_microbatches)
 
-  def nominal_step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
-    """The event the algorithm's paper accounts for one step."""
-    return self.algorithm.nominal_step_event(sampling_probability)
+  def mechanism_event(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
+                      num_layers: Optional[int] = None, num_parameters: Optional[int] = None
+                      ) -> Optional[dp_accounting.DpEvent]:
+    """The mechanism one step certifiably is, without sampling (None when nothing is proven).
+
+    Args:
+      batch_size: the (fixed) batch size, if known: with num_microbatches equal to it each
+        microbatch is one example. Otherwise microbatches count as several examples, whose
+        records may change entirely when one example is added or removed (sensitivity 2C).
+      replace_one: substitution adjacency (e.g. shuffled fixed-size batches).
+      num_layers, num_parameters: for per-layer algorithms and the tanh filter before `build`.
+    """
+    return self.algorithm.mechanism_event(
+        replace_one=self._replace_one(batch_size, replace_one), num_layers=num_layers,
+        num_parameters=num_parameters)
+
+  def nominal_mechanism_event(self, batch_size: Optional[int] = None, *,
+                              replace_one: bool = False, num_layers: Optional[int] = None,
+                              num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
+    """The mechanism the algorithm's paper accounts for one step (arguments as above)."""
+    return self.algorithm.nominal_mechanism_event(
+        replace_one=self._replace_one(batch_size, replace_one), num_layers=num_layers,
+        num_parameters=num_parameters)
+
+  def step_event(self, sampling_probability: float, batch_size: Optional[int] = None, *,
+                 replace_one: bool = False, num_layers: Optional[int] = None,
+                 num_parameters: Optional[int] = None) -> Optional[dp_accounting.DpEvent]:
+    """`mechanism_event` on a Poisson sample of rate q (None when there is no guarantee)."""
+    return self.algorithm.step_event(
+        sampling_probability, replace_one=self._replace_one(batch_size, replace_one),
+        num_layers=num_layers, num_parameters=num_parameters)
+
+  def nominal_step_event(self, sampling_probability: float, batch_size: Optional[int] = None, *,
+                         replace_one: bool = False, num_layers: Optional[int] = None,
+                         num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
+    """`nominal_mechanism_event` on a Poisson sample of rate q."""
+    return self.algorithm.nominal_step_event(
+        sampling_probability, replace_one=self._replace_one(batch_size, replace_one),
+        num_layers=num_layers, num_parameters=num_parameters)
 
   def _add_state(self, name: str, initial_value) -> tf.Variable:
     value = tf.convert_to_tensor(initial_value)
@@ -100,6 +223,16 @@ class DPOptimizerMixin:
     if not self._algorithm_built:
       self._algorithm_built = True
       self.algorithm.build(var_list, self._add_state)
+      self.dp_steps = self._add_state("dp_steps", tf.constant(0, tf.int64))
+
+  def _privatize(self, grads) -> list[tf.Tensor]:
+    """The algorithm's noised step; `dp_steps` counts it in the same graph, once its noise is
+    drawn (not before: a call whose data never arrives, e.g. an exhausted iterator, counts none)."""
+    privatized = self.algorithm(grads)
+    with tf.control_dependencies(privatized):
+      counted = self.dp_steps.assign_add(1)
+    with tf.control_dependencies([counted]):
+      return [tf.identity(g) for g in privatized]
 
   def build(self, var_list):
     """Keras optimizer API: the base class' slots, then the algorithm's state."""
@@ -111,7 +244,17 @@ class DPOptimizerMixin:
     super()._create_slots(var_list)
     self._build_algorithm(var_list)
 
+  def _privatize_scaled(self, grads: per_example.PerExampleGradients,
+                        loss_scale: tf.Tensor) -> list[tf.Tensor]:
+    """Under a LossScaleOptimizer: the privatized gradient of the unscaled loss, or NaN when a
+    scaled gradient overflowed, so that the wrapper skips the step and lowers its scale."""
+    grads = keras_integration.UnscaledGradients(grads, loss_scale)
+    finite = tf.reduce_all(tf.math.is_finite(grads.global_norms()))
+    skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
+    return tf.cond(finite, lambda: self._privatize(grads), skipped)
+
   def _dp_gradients(self, loss, var_list, tape):
+    validation.check_single_replica(type(self).__name__)
     if callable(loss):
       tape = tape if tape is not None else tf.GradientTape()
       with tape:
@@ -119,6 +262,10 @@ class DPOptimizerMixin:
     if callable(var_list):
       var_list = var_list()
     var_list = tf.nest.flatten(var_list)
+    if not var_list:
+      raise ValueError(f"{type(self).__name__} was given no trainable variables, so there is "
+                       "nothing to train. Build the model before training and leave some layers "
+                       "trainable (layer.trainable = True).")
     if tape is None and tf.executing_eagerly():
       raise ValueError("`tape` is required when a Tensor loss is passed eagerly.")
     model = validation.training_model()
@@ -133,14 +280,27 @@ class DPOptimizerMixin:
         self._create_all_weights(var_list)
       else:
         self.build(var_list)
-    grads = per_example.compute(loss, var_list, self.num_microbatches, tape)
+    wrapper = keras_integration.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
+    grads = per_example.compute(loss, var_list, self.num_microbatches, tape, self.self_check)
     self.per_example_rules = tuple(grads.rules)
     slow = [v.name for v, rule in zip(var_list, grads.rules) if rule == "fallback"]
     if slow and not tf.executing_eagerly():
       logging.info("%s: these variables have no per-example rule and take the exact Jacobian "
                    "fallback (slower): %s", type(self).__name__, ", ".join(slow))
-    self._dp_gradients_computed = True
-    return list(zip(self.algorithm(grads), var_list))
+    if wrapper is None:
+      privatized = self._privatize(grads)
+    else:
+      privatized = self._privatize_scaled(grads, wrapper.loss_scale)
+    regularizers = keras_integration.model_losses_left(model)
+    if regularizers:  # Independent of the data: added after privatization, unclipped.
+      dtype = max((t.dtype for t in regularizers), key=lambda d: d.size)
+      total = tf.add_n([tf.cast(t, dtype) for t in regularizers])
+      privatized = [p if g is None else p + tf.cast(tf.convert_to_tensor(g), p.dtype)
+                    for p, g in zip(privatized, tf.gradients(total, var_list))]
+    if wrapper is not None:  # The wrapper divides by its scale.
+      privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
+    self._dp_released = _Released(privatized, var_list, wrapper)
+    return list(zip(privatized, var_list))
 
   def compute_gradients(self, loss, var_list, tape=None):
     """Privatized gradients (Keras optimizer API); `loss` holds one loss per example."""
@@ -152,18 +312,48 @@ class DPOptimizerMixin:
     return self._dp_gradients(loss, var_list, tape)
 
   def apply_gradients(self, grads_and_vars, *args, **kwargs):
-    if not self._dp_gradients_computed:
+    """Keras optimizer API, for the gradients this optimizer's last compute_gradients returned."""
+    validation.check_single_replica(type(self).__name__)
+    grads_and_vars = list(grads_and_vars)
+    wrapper = keras_integration.loss_scale_wrapper(self)
+    raw = [v.name for g, v in grads_and_vars if g is not None and not (
+        self._dp_released is not None and self._dp_released.accepts(g, v, wrapper))]
+    if raw:
       raise RuntimeError(
-          f"{type(self).__name__}.apply_gradients was called with gradients it did not "
-          "privatize, which would train without privacy. Call optimizer.minimize(per_example_loss, "
-          "var_list, tape=tape), or compute_gradients(...) first, or use model.fit.")
+          f"{type(self).__name__}.apply_gradients was given gradients it did not privatize (for "
+          f"{', '.join(raw)}), which would train without privacy. Pass on, unchanged, the "
+          "(gradient, variable) pairs its compute_gradients returned for this step, or call "
+          "optimizer.minimize(per_example_loss, var_list, tape=tape), or use model.fit.")
     return super().apply_gradients(grads_and_vars, *args, **kwargs)
 
   def get_config(self):
     config = super().get_config()
     config.update(l2_norm_clip=self.l2_norm_clip, noise_multiplier=self.noise_multiplier,
-                  num_microbatches=self.num_microbatches, **self.algorithm.get_config())
+                  num_microbatches=self.num_microbatches,
+                  expected_batch_size=self.expected_batch_size, noise_seed=self.noise_seed,
+                  self_check=self.self_check, **self.algorithm.get_config())
+    config["dp_class"] = self._recipe()
     return config
+
+  @classmethod
+  def _recipe(cls) -> dict:
+    """What `make_dp_optimizer_class` rebuilds the class from, in any process."""
+    return {"base": keras_integration.class_reference(cls.base_cls),
+            "algorithm": cls.algorithm_cls.name, "options": dict(cls.default_options)}
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    """Keras API. Keras finds every DP class's config under one registered name, which leads
+    here: the class is rebuilt from the config's recipe, so it need not exist before loading."""
+    config = dict(config)
+    recipe = config.pop("dp_class", None)
+    if cls is DPOptimizerMixin:  # Found by the registered name: the recipe names the class.
+      if recipe is None:
+        raise ValueError("This DP optimizer config has no 'dp_class' recipe; load it with the "
+                         "class that saved it: make_dp_optimizer_class(...).from_config(config).")
+      cls = make_dp_optimizer_class(keras_integration.resolve_class(recipe["base"]),
+                                    recipe["algorithm"], **recipe["options"])
+    return super(DPOptimizerMixin, cls).from_config(config, custom_objects=custom_objects)
 
 
 @functools.cache
@@ -178,8 +368,10 @@ def _make_class(base_cls: type, algorithm: str, options: tuple) -> type:
          + DPOptimizerMixin.__doc__.split("\n", 1)[1])
   cls = type(name, (DPOptimizerMixin, base_cls), {
       "__doc__": doc, "__module__": __name__, "algorithm_cls": algorithm_cls,
-      "default_options": dict(options), "privacy_guarantee": algorithm_cls.privacy_guarantee})
-  return tf.keras.utils.register_keras_serializable(package="tfdp_variants")(cls)
+      "base_cls": base_cls, "default_options": dict(options),
+      "privacy_guarantee": algorithm_cls.privacy_guarantee})
+  keras_integration.register(cls, loader=DPOptimizerMixin)
+  return cls
 
 
 def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options) -> type:

@@ -83,6 +83,7 @@ def non_private_twin(optimizer: optimizers.DPOptimizerMixin) -> tf.keras.optimiz
                   and issubclass(c, (tf.keras.optimizers.Optimizer,
                                      tf.keras.optimizers.legacy.Optimizer)))
   dp_keys = {"name", "l2_norm_clip", "noise_multiplier", "num_microbatches",
+             "expected_batch_size", "noise_seed", "self_check", "dp_class",
              *optimizer.algorithm.get_config()}
   return base_cls.from_config({k: v for k, v in optimizer.get_config().items()
                                if k not in dp_keys})

@@ -1,7 +1,8 @@
 """Small named steps over per-example gradients; a paper's algorithm box is a few of these.
 
 Each takes and returns plain lists of tensors (one per trainable variable) or a
-`PerExampleGradients`, in the spirit of Optax's gradient transformations.
+`PerExampleGradients`, in the spirit of Optax's gradient transformations. Noise is added by the
+queries of `tfdp_variants.noise`, which also give its DpEvent.
 """
 
 from __future__ import annotations
@@ -43,18 +44,6 @@ def per_layer_clipped_sum(grads: PerExampleGradients,
   """Σ_m clip(g_m^k, C_k) for each variable k with its own bound C_k (per-layer clipping)."""
   norms = [validation.assert_finite(tf.sqrt(s)) for s in grads.squared_norms()]
   return grads.weighted_sum([clip_factors(n, c) for n, c in zip(norms, bounds)])
-
-
-def add_gaussian_noise(tensors: Sequence[tf.Tensor],
-                       stddev: float | tf.Tensor | Sequence[float | tf.Tensor]) -> list[tf.Tensor]:
-  """t + N(0, stddev² I) for each tensor; `stddev` is one value or one per tensor.
-
-  A Python 0 adds nothing (no random op in the graph).
-  """
-  stddevs = stddev if isinstance(stddev, (list, tuple)) else [stddev] * len(tensors)
-  return [t if isinstance(s, (int, float)) and s == 0 else
-          t + tf.random.normal(tf.shape(t), dtype=t.dtype) * tf.cast(s, t.dtype)
-          for t, s in zip(tensors, stddevs)]
 
 
 def mean_over_microbatches(tensors: Sequence[tf.Tensor], num_microbatches: tf.Tensor

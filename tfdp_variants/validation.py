@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 # Layers whose output for one example depends on the other examples of the batch.
@@ -61,13 +64,34 @@ def check_microbatches(loss: tf.Tensor, num_microbatches: int) -> list[tf.Operat
   return [tf.debugging.assert_equal(tf.shape(loss)[0] % num_microbatches, 0, message=message)]
 
 
+def is_finite_real(value) -> bool:
+  """A finite real number: Python's or NumPy's (np.float32, np.int64, ...), but not a bool."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+          and math.isfinite(value))
+
+
 def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:
-  """Raises ValueError for C ≤ 0 or σ < 0 (or non-finite values)."""
-  if not (isinstance(l2_norm_clip, (int, float)) and 0 < l2_norm_clip < float("inf")):
+  """Raises ValueError for C ≤ 0 or σ < 0, or values that are not finite real numbers."""
+  if not (is_finite_real(l2_norm_clip) and l2_norm_clip > 0):
     raise ValueError(f"l2_norm_clip must be a finite number > 0, got {l2_norm_clip!r}.")
-  if not (isinstance(noise_multiplier, (int, float)) and 0 <= noise_multiplier < float("inf")):
+  if not (is_finite_real(noise_multiplier) and noise_multiplier >= 0):
     raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r} "
                      "(0 means no noise and no privacy).")
+
+
+def check_single_replica(who: str) -> None:
+  """Raises ValueError under a tf.distribute strategy with more than one replica.
+
+  Each replica would clip and noise its own share of the batch, and their sum would carry the
+  noise once per replica while Keras adds the updates up: neither the step nor its ε is DP-SGD's.
+  """
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  if replicas > 1:
+    raise ValueError(
+        f"{who} does not support distributed training yet: the current tf.distribute strategy "
+        f"has {replicas} replicas, each of which would clip and noise its own part of the batch. "
+        "Train on one device: build and compile the model outside any strategy scope (or under "
+        "tf.distribute.OneDeviceStrategy).")
 
 
 def assert_finite(norms: tf.Tensor) -> tf.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp_variants import accounting
+from tfdp_variants import noise
 from tfdp_variants import per_example
 from tfdp_variants import transforms
 from tfdp_variants import validation
@@ -31,18 +32,19 @@ MIN_L2_NORM_CLIP = 1e-6
 
 
 def private_mean_norms(norms: Sequence[tf.Tensor], bounds: tf.Tensor, alpha: float, beta: float,
-                       norm_noise_multiplier: float, num_microbatches: tf.Tensor) -> tf.Tensor:
+                       norm_query: noise.GaussianSumQuery, denominator: tf.Tensor) -> tf.Tensor:
   """The next bounds C_t = α (Σ_i clip(‖g_i^l‖, C_n^l) + N(0, σ_n² (C_n^l)²)) / B (§2.2).
 
-  C_n^l = β C_{t−1}^l, clip(s, C_n) = s / max(1, s / C_n) = min(s, C_n), B = M microbatches. The
-  paper prints the noise outside the 1/B; read literally, noise of scale C_n would swamp a mean of
-  norms below C_n, so, as SPEC §3.4 says, the noised sum is divided by B like every DP mean.
+  C_n^l = β C_{t−1}^l, clip(s, C_n) = s / max(1, s / C_n) = min(s, C_n). The paper prints the
+  noise outside the 1/B; read literally, noise of scale C_n would swamp a mean of norms below C_n,
+  so, as SPEC §3.4 says, the noised sum is divided by B like every DP mean.
 
   Args:
     norms: per layer, the (M,) norms ‖g_i^l‖ of this step.
     bounds: (K,) the bounds C_{t−1}^l this step clipped to.
-    alpha, beta, norm_noise_multiplier: α, β, σ_n.
-    num_microbatches: M.
+    alpha, beta: α, β.
+    norm_query: adds N(0, σ_n² (C_n^l)²) to coordinate l of the clipped sums.
+    denominator: B, the number of microbatches, or the expected batch size when set.
 
   Returns:
     (K,) bounds, floored at `MIN_L2_NORM_CLIP` (post-processing: no privacy cost).
@@ -50,9 +52,8 @@ def private_mean_norms(norms: Sequence[tf.Tensor], bounds: tf.Tensor, alpha: flo
   norm_bounds = beta * bounds
   clipped_sums = tf.stack([tf.reduce_sum(tf.minimum(n, c))
                            for n, c in zip(norms, tf.unstack(norm_bounds))])
-  noised = clipped_sums + tf.random.normal(tf.shape(norm_bounds), dtype=bounds.dtype) * (
-      norm_noise_multiplier * norm_bounds)
-  mean = alpha * noised / tf.cast(num_microbatches, bounds.dtype)
+  noised = tf.stack(norm_query(tf.unstack(clipped_sums), tf.unstack(norm_bounds)))
+  mean = alpha * noised / tf.cast(denominator, bounds.dtype)
   return tf.maximum(mean, MIN_L2_NORM_CLIP)
 
 
@@ -74,7 +75,7 @@ class AdaptiveClip(base.Algorithm):
 
   Certified: the step is two Gaussian queries on one Poisson sample, each over K layers whose
   per-layer noise is proportional to that layer's sensitivity, so each accounts as σ/√K (see
-  `accounting.per_layer_noise_multiplier`); the bounds depend only on earlier noised outputs.
+  `noise.GaussianSumQuery.event`); the bounds depend only on earlier noised outputs.
   """
 
   name = "adaptive_clip"
@@ -102,13 +103,17 @@ class AdaptiveClip(base.Algorithm):
     self.alpha, self.beta = float(alpha), float(beta)
     self.norm_noise_multiplier = float(norm_noise_multiplier)
     self.initial_l2_norm_clips = initial_l2_norm_clips
+    # Records min(‖g_i^l‖, C_n^l) lie in [0, C_n^l]: one added or removed moves coordinate l by up
+    # to C_n^l, and one replaced by up to C_n^l too (the width of the range), not 2C_n^l.
+    self.norm_query = noise.GaussianSumQuery(self.noise, self.norm_noise_multiplier,
+                                             sensitivity=1.0, replace_sensitivity=1.0)
     self.l2_norm_clips: Optional[tf.Variable] = None  # (K,) C_{t−1}^l, made by `build`.
 
   def get_config(self) -> dict:
     return dict(alpha=self.alpha, beta=self.beta, norm_noise_multiplier=self.norm_noise_multiplier,
                 initial_l2_norm_clips=self.initial_l2_norm_clips)
 
-  def build(self, variables: Sequence[tf.Variable], add_state: base.AddState) -> None:
+  def _build(self, variables: Sequence[tf.Variable], add_state: base.AddState) -> None:
     initial = self.initial_l2_norm_clips or [self.l2_norm_clip] * len(variables)
     if len(initial) != len(variables):
       raise ValueError(f"initial_l2_norm_clips has {len(initial)} bounds but the model has "
@@ -120,34 +125,26 @@ class AdaptiveClip(base.Algorithm):
     bounds = tf.convert_to_tensor(self.l2_norm_clips)  # C_{t−1}, read before the update below.
     per_layer = tf.unstack(bounds)
     summed = transforms.per_layer_clipped_sum(grads, per_layer)
-    noised = transforms.add_gaussian_noise(summed, [self.noise_multiplier * c for c in per_layer])
+    noised = self.gradient_query(summed, per_layer)
     norms = [tf.sqrt(s) for s in grads.squared_norms()]
     self.l2_norm_clips.assign(private_mean_norms(norms, bounds, self.alpha, self.beta,
-                                                 self.norm_noise_multiplier, grads.num_microbatches))
-    return transforms.mean_over_microbatches(noised, grads.num_microbatches)
+                                                 self.norm_query, self.denominator(grads)))
+    return self.mean(noised, grads)
 
-  def _num_layers(self) -> int:
-    if self.l2_norm_clips is not None:
-      return int(self.l2_norm_clips.shape[0])
-    if self.initial_l2_norm_clips is not None:
-      return len(self.initial_l2_norm_clips)
-    raise ValueError("The number of layers K, which the step's privacy depends on, is unknown "
-                     "before the optimizer is built: call optimizer.build(model.trainable_variables)"
-                     " (or train a step), or pass initial_l2_norm_clips.")
+  def _certified_event(self, replace_one: bool, num_layers: Optional[int],
+                       num_parameters: Optional[int]) -> dp_accounting.DpEvent:
+    """Composed[Gaussian(σ/√K), Gaussian(σ_n/√K)]: the gradient and the norm queries.
 
-  def step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
-    """Poisson(q, Composed[Gaussian(σ/√K), Gaussian(σ_n/√K)]): gradient and norm queries.
-
-    The norm query is a K-vector whose coordinate l has sensitivity C_n^l and noise σ_n C_n^l, so,
-    like the per-layer gradient query, it is a Gaussian of noise multiplier σ_n/√K.
+    The gradient query's K blocks are clipped to C^l (2C^l apart when a record is replaced:
+    σ/(2√K)); the norm query is a K-vector whose coordinate l has sensitivity C_n^l and noise
+    σ_n C_n^l under both adjacencies (see `norm_query`), so it stays σ_n/√K.
     """
-    if self.noise_multiplier == 0 or self.norm_noise_multiplier == 0:  # No privacy: ε = ∞.
-      return accounting.step_event(0.0, sampling_probability)
-    k = self._num_layers()
-    event = dp_accounting.ComposedDpEvent([
-        dp_accounting.GaussianDpEvent(accounting.per_layer_noise_multiplier(sigma, k))
-        for sigma in (self.noise_multiplier, self.norm_noise_multiplier)])
-    return accounting.poisson_sampled(event, sampling_probability)
+    del num_parameters
+    if num_layers is None and self.num_layers is None and self.initial_l2_norm_clips:
+      num_layers = len(self.initial_l2_norm_clips)
+    k = self._layers(num_layers)
+    return accounting.composed([self.gradient_query.event(replace_one=replace_one, num_blocks=k),
+                                self.norm_query.event(replace_one=replace_one, num_blocks=k)])
 
 
 def initial_l2_norm_clips_from_noise(

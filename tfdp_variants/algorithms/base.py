@@ -1,9 +1,16 @@
 """What every algorithm is: one paper's Algorithm box over per-microbatch gradients.
 
 An `Algorithm` takes the engine's `PerExampleGradients` and returns the gradient the base Keras
-optimizer applies, composing the small steps of `tfdp_variants.transforms`. It also says what a
-step costs in privacy: `step_event` is the event the step certifiably is (None when the algorithm
-has no proven guarantee) and `nominal_step_event` the one its paper accounts.
+optimizer applies, composing the small steps of `tfdp_variants.transforms`. Its noise comes from
+its `noise.GaussianSumQuery`s, built once from its secret `noise.NoiseSource`; the same queries say
+what a step costs in privacy: `mechanism_event` is the mechanism one step certifiably is (None when
+the algorithm has no proven guarantee, or its noise was made reproducible) and
+`nominal_mechanism_event` the one its paper accounts; `step_event` and `nominal_step_event` are
+these on a Poisson sample.
+
+Sensitivity (SPEC §4): with one example per microbatch, adding or removing it adds or removes one
+record. With several, it changes one microbatch's record, which may then differ by the record's
+whole range (2C for a clipped mean): `replace_one=True`, which also serves substitution adjacency.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import dp_accounting
 import tensorflow as tf
 
 from tfdp_variants import accounting
+from tfdp_variants import noise
+from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -37,6 +46,14 @@ class Algorithm:
 
   The keyword arguments of a subclass' `__init__` beyond `l2_norm_clip` and `noise_multiplier`
   are its options: they become keyword arguments of its optimizers and entries of their config.
+
+  Attributes:
+    noise: the `noise.NoiseSource` of every draw (secret unless the optimizer got `noise_seed`).
+    gradient_query: the Gaussian sum query of the gradients, N(0, (σ·C)² I) on a sum of vectors
+      clipped to C (subclasses with another bound replace it in their `__init__`).
+    expected_batch_size: when set (Poisson sampling), the noised sum is divided by it rather than
+      by the realized number of microbatches, which the update would reveal un-noised.
+    num_layers, num_parameters: the trainable variables' count and total size, set by `build`.
   """
 
   name: ClassVar[str]
@@ -47,27 +64,110 @@ class Algorithm:
     validation.check_clip_and_noise(l2_norm_clip, noise_multiplier)
     self.l2_norm_clip = float(l2_norm_clip)
     self.noise_multiplier = float(noise_multiplier)
+    self.noise = noise.NoiseSource()
+    self.gradient_query = noise.GaussianSumQuery(self.noise, self.noise_multiplier)
+    self.expected_batch_size: Optional[float] = None
+    self.num_layers: Optional[int] = None
+    self.num_parameters: Optional[int] = None
 
   def get_config(self) -> dict:
     """The options (besides l2_norm_clip and noise_multiplier) that rebuild this algorithm."""
     return {}
 
   def build(self, variables: Sequence[tf.Variable], add_state: AddState) -> None:
+    """Records the variables' count and size, then creates state with `add_state`, once."""
+    self.num_layers = len(variables)
+    self.num_parameters = sum(v.shape.num_elements() for v in variables)
+    self._build(variables, add_state)
+
+  def _build(self, variables: Sequence[tf.Variable], add_state: AddState) -> None:
     """Creates state (e.g. adaptive bounds) with `add_state`, once, before the first step."""
+    del variables, add_state  # Stateless by default.
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     raise NotImplementedError
 
-  def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
-    """The mechanism one step certifiably is, on a Poisson sample; None when nothing is proven.
+  def mean(self, noised: Sequence[tf.Tensor], grads: PerExampleGradients) -> list[tf.Tensor]:
+    """The noised sum over M microbatches, or over `expected_batch_size` when set (SPEC §2, §4)."""
+    if self.expected_batch_size is not None:
+      return [t / tf.cast(self.expected_batch_size, t.dtype) for t in noised]
+    return transforms.mean_over_microbatches(noised, grads.num_microbatches)
 
+  def denominator(self, grads: PerExampleGradients) -> tf.Tensor:
+    """What `mean` divides by: `expected_batch_size`, or M (other means of the step use it too)."""
+    if self.expected_batch_size is not None:
+      return tf.constant(self.expected_batch_size, tf.float32)
+    return tf.cast(grads.num_microbatches, tf.float32)
+
+  def _layers(self, num_layers: Optional[int]) -> int:
+    """K for a per-layer event: `num_layers`, or the built count (they must agree)."""
+    return self._count("num_layers", num_layers, "len(model.trainable_variables)")
+
+  def _parameters(self, num_parameters: Optional[int]) -> int:
+    """n for an event that depends on the parameter count: `num_parameters`, or the built n."""
+    return self._count("num_parameters", num_parameters,
+                       "sum(v.shape.num_elements() for v in model.trainable_variables)")
+
+  def _count(self, name: str, given: Optional[int], how: str) -> int:
+    built = getattr(self, name)
+    if given is not None and not (isinstance(given, int) and given >= 1):
+      raise ValueError(f"{name} must be a positive int, got {given!r}.")
+    if given is not None and built is not None and given != built:
+      raise ValueError(f"{name}={given} disagrees with the {built} of the built optimizer; leave "
+                       f"{name} None after building.")
+    if given is None and built is None:
+      raise ValueError(f"This step's privacy depends on {name}, unknown before the optimizer is "
+                       f"built: pass {name}={how}, or ask after optimizer.build("
+                       "model.trainable_variables) (or the first step).")
+    return given if given is not None else built
+
+  def _certified_event(self, replace_one: bool, num_layers: Optional[int],
+                       num_parameters: Optional[int]) -> Optional[dp_accounting.DpEvent]:
+    """The proven mechanism of one step, noise assumed secret; None when nothing is proven."""
+    del num_layers, num_parameters  # DP-SGD's event depends on neither.
+    return self.gradient_query.event(replace_one=replace_one)
+
+  def mechanism_event(self, *, replace_one: bool = False, num_layers: Optional[int] = None,
+                      num_parameters: Optional[int] = None) -> Optional[dp_accounting.DpEvent]:
+    """The mechanism one step certifiably is, without sampling; None when nothing is proven.
+
+    Args:
+      replace_one: one record's contribution may be replaced rather than added or removed (a
+        microbatch of several examples under add/remove adjacency, or substitution adjacency).
+      num_layers: K, the number of trainable variables, for per-layer algorithms before `build`.
+      num_parameters: n, their total size, for the tanh filter before `build`.
+
+    None also when the noise was made reproducible (`noise_seed`): then nothing is secret.
     An algorithm whose published guarantee is "none" may still have a (loose) certified event,
     e.g. the tanh filter's at its true sensitivity.
     """
-    return accounting.step_event(self.noise_multiplier, sampling_probability)
+    if self.noise.reproducible:
+      return None
+    return self._certified_event(replace_one, num_layers, num_parameters)
 
-  def nominal_step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
-    """The mechanism the paper accounts for one step (equal to `step_event` when certified)."""
-    event = self.step_event(sampling_probability)
-    return event if event is not None else accounting.step_event(self.noise_multiplier,
-                                                                 sampling_probability)
+  def nominal_mechanism_event(self, *, replace_one: bool = False,
+                              num_layers: Optional[int] = None,
+                              num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
+    """The mechanism the paper accounts for one step (the certified one when there is one).
+
+    Algorithms without a certified event are accounted as DP-SGD's Gaussian of σ, at the same
+    sensitivity rule (`replace_one`) as every other event.
+    """
+    event = self._certified_event(replace_one, num_layers, num_parameters)
+    return event if event is not None else self.gradient_query.event(replace_one=replace_one)
+
+  def step_event(self, sampling_probability: float, *, replace_one: bool = False,
+                 num_layers: Optional[int] = None, num_parameters: Optional[int] = None
+                 ) -> Optional[dp_accounting.DpEvent]:
+    """`mechanism_event` on a Poisson sample of rate q; None when nothing is proven."""
+    event = self.mechanism_event(replace_one=replace_one, num_layers=num_layers,
+                                 num_parameters=num_parameters)
+    return None if event is None else accounting.poisson_sampled(event, sampling_probability)
+
+  def nominal_step_event(self, sampling_probability: float, *, replace_one: bool = False,
+                         num_layers: Optional[int] = None, num_parameters: Optional[int] = None
+                         ) -> dp_accounting.DpEvent:
+    """`nominal_mechanism_event` on a Poisson sample of rate q."""
+    return accounting.poisson_sampled(
+        self.nominal_mechanism_event(replace_one=replace_one, num_layers=num_layers,
+                                     num_parameters=num_parameters), sampling_probability)

@@ -101,12 +101,15 @@ class LayeredClip(base.Algorithm):
                                  for k in range(num_layers)])
     # Eqs. 5-6: Σ_i N(0, σ² C̄_i² I) = N(0, σ² Σ_i C̄_i² I); certified: N(0, σ² C_max² I).
     if self.certified:
-      stddev = self.noise_multiplier * self.l2_norm_clip
+      scale = self.l2_norm_clip
     else:
-      stddev = self.noise_multiplier * tf.norm(thresholds + self.sensitivity_bound)
-    noised = transforms.add_gaussian_noise(summed, stddev)
-    return transforms.mean_over_microbatches(noised, grads.num_microbatches)
+      scale = tf.norm(thresholds + self.sensitivity_bound)
+    return self.mean(self.gradient_query(summed, scale), grads)
 
-  def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
-    """Certified mode: the subsampled Gaussian of σ; heuristic mode: None (no proven bound)."""
-    return super().step_event(sampling_probability) if self.certified else None
+  def _certified_event(self, replace_one: bool, num_layers: Optional[int],
+                       num_parameters: Optional[int]) -> Optional[dp_accounting.DpEvent]:
+    """Certified mode: the Gaussian of σ (σ/2 when a record may be replaced: two records within
+    C_max differ by up to 2C_max); heuristic mode: None (no proven bound)."""
+    if not self.certified:
+      return None
+    return super()._certified_event(replace_one, num_layers, num_parameters)

@@ -24,10 +24,10 @@ from typing import Optional
 import dp_accounting
 import tensorflow as tf
 
+from tfdp_variants import noise
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.algorithms import base
-from tfdp_variants.algorithms import dp_sgd
 from tfdp_variants.per_example import PerExampleGradients
 
 ORDERS = ("noise_then_clip", "clip_then_noise")
@@ -39,23 +39,24 @@ _RANK_TOL = 1e-5
 _DIRECT_GRAM_MAX_DIM = 4096
 
 
-def gram_of_gaussians(num: tf.Tensor, dim: tf.Tensor, stddev: float,
+def gram_of_gaussians(source: noise.NoiseSource, num: tf.Tensor, dim: tf.Tensor, stddev: float,
                       max_dim: Optional[int] = None) -> tf.Tensor:
   """⟨β_i, β_j⟩ of `num` i.i.d. N(0, stddev² I_dim) vectors, without drawing them when dim is large.
 
   Bartlett's decomposition: B = stddev² L Lᵀ ~ stddev² Wishart_num(dim, I), with L lower
-  triangular, L_ii² ~ χ²(dim − i), L_ij ~ N(0, 1) below the diagonal. When `max_dim` (a static
-  bound on dim) is at most _DIRECT_GRAM_MAX_DIM, the vectors are drawn and multiplied instead.
+  triangular, L_ii² ~ χ²(dim − i), L_ij ~ N(0, 1) below the diagonal, all drawn from `source`.
+  When `max_dim` (a static bound on dim) is at most _DIRECT_GRAM_MAX_DIM, the vectors are drawn
+  and multiplied instead.
   """
   dim = tf.cast(dim, tf.float64)
   if max_dim is not None and max_dim <= _DIRECT_GRAM_MAX_DIM:
-    x = tf.random.normal(tf.stack([num, tf.cast(dim, tf.int32)]), dtype=tf.float64)
+    x = source.normal(tf.stack([num, tf.cast(dim, tf.int32)]), tf.float64)
     return stddev**2 * tf.matmul(x, x, transpose_b=True)
   dof = dim - tf.range(tf.cast(num, tf.float64), dtype=tf.float64)
   with tf.control_dependencies([tf.debugging.assert_positive(
       dof, "Bartlett sampling needs more parameters than microbatches.")]):
-    chi2 = 2.0 * tf.random.gamma([], dof / 2.0, dtype=tf.float64)
-  below = tf.linalg.band_part(tf.random.normal(tf.stack([num, num]), dtype=tf.float64), -1, 0)
+    chi2 = 2.0 * source.gamma(tf.shape(dof), dof / 2.0, tf.float64)
+  below = tf.linalg.band_part(source.normal(tf.stack([num, num]), tf.float64), -1, 0)
   lower = tf.linalg.set_diag(below, tf.sqrt(chi2))
   return stddev**2 * tf.matmul(lower, lower, transpose_b=True)
 
@@ -94,20 +95,20 @@ class NoisyGradient(base.Algorithm):
     self.noise_sampling = noise_sampling
     self.chunk_size = chunk_size
     self.privacy_guarantee = "none" if order == "noise_then_clip" else "certified"
-    self._dp_sgd = dp_sgd.DPSGD(l2_norm_clip, noise_multiplier)
 
   def get_config(self) -> dict:
     return {"order": self.order, "noise_sampling": self.noise_sampling,
             "chunk_size": self.chunk_size}
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
-    if self.order == "clip_then_noise":
-      return self._dp_sgd(grads)
+    if self.order == "clip_then_noise":  # DP-SGD (Section 4.2).
+      summed = transforms.flat_clipped_sum(grads, self.l2_norm_clip)
+      return self.mean(self.gradient_query(summed, self.l2_norm_clip), grads)
     if self.noise_sampling == "projected":
       summed = self._projected_noised_clipped_sum(grads)
     else:
       summed = grads.reduce_chunks(self._noised_clipped_sum, self.chunk_size)  # Σ_i ĝ_i
-    return transforms.mean_over_microbatches(summed, grads.num_microbatches)  # Alg. 1, line 7
+    return self.mean(summed, grads)  # Alg. 1, line 7
 
   def _projected_noised_clipped_sum(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     """Σ_i clip(g_i + n_i, C), n_i ~ N(0, s² I) i.i.d., from P + O(M²) normals (module docstring)."""
@@ -121,13 +122,14 @@ class NoisyGradient(base.Algorithm):
     root = tf.sqrt(lam)
     rank = tf.shape(lam)[0]
     coords = vec * root  # Row i: Qᵀ g_i.
-    alpha = s * tf.random.normal(tf.stack([m, rank]), dtype=tf.float64)  # Row i: Qᵀ n_i.
-    beta_gram = gram_of_gaussians(m, num_params - rank, s, max_dim=num_params)  # ⟨P⊥n_i, P⊥n_j⟩
+    alpha = s * self.noise.normal(tf.stack([m, rank]), tf.float64)  # Row i: Qᵀ n_i.
+    beta_gram = gram_of_gaussians(self.noise, m, num_params - rank, s,
+                                  max_dim=num_params)  # ⟨P⊥n_i, P⊥n_j⟩
     norms = tf.sqrt(tf.reduce_sum(tf.square(coords + alpha), 1) + tf.linalg.diag_part(beta_gram))
     w = transforms.clip_factors(validation.assert_finite(norms), self.l2_norm_clip)  # Line 6.
     in_span = tf.linalg.matvec(vec, tf.linalg.matvec(alpha, w, transpose_a=True) / root)
     # Σ_i w_i P⊥n_i = √(wᵀBw) · P⊥ξ / ‖P⊥ξ‖, ξ ~ N(0, I_P).
-    xi = [tf.random.normal(v.shape, dtype=v.dtype) for v in grads.variables]
+    xi = [self.noise.normal(v.shape, v.dtype) for v in grads.variables]
     q_xi = tf.linalg.matvec(vec, tf.cast(grads.dots(xi), tf.float64), transpose_a=True) / root
     xi_sq = tf.add_n([tf.reduce_sum(tf.square(tf.cast(x, tf.float64))) for x in xi])
     perp = tf.sqrt(tf.tensordot(w, tf.linalg.matvec(beta_gram, w), 1) / (
@@ -138,11 +140,13 @@ class NoisyGradient(base.Algorithm):
 
   def _noised_clipped_sum(self, chunk: list[tf.Tensor]) -> list[tf.Tensor]:
     """Σ_i ĝ_i over one chunk of microbatches (Alg. 1, lines 5-6), norms over all variables."""
-    noised = transforms.add_gaussian_noise(chunk, self.noise_multiplier * self.l2_norm_clip)
+    # Per microbatch N(0, σ²C² I): the sum query's noise, on each row (it has no event of its own).
+    noised = self.gradient_query(chunk, self.l2_norm_clip)
     return transforms.clipped_rows_sum(noised, self.l2_norm_clip)
 
-  def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
-    """None for AC (no guarantee); DP-SGD's subsampled Gaussian for CA."""
+  def _certified_event(self, replace_one: bool, num_layers: Optional[int],
+                       num_parameters: Optional[int]) -> Optional[dp_accounting.DpEvent]:
+    """None for AC (no guarantee); DP-SGD's Gaussian for CA."""
     if self.order == "noise_then_clip":
       return None
-    return self._dp_sgd.step_event(sampling_probability)
+    return self.gradient_query.event(replace_one=replace_one)

@@ -5,9 +5,11 @@
   from the data (line 6), the gradients are clipped to it (line 7, FlatClip or PerlayerClip) and
   noised with N(0, σ²C²), C the threshold (line 8).
 - ``method="geometric"`` is the private estimator of Andrew et al. (arXiv:1905.03871, Algorithm 1),
-  run by TF Privacy's `QuantileAdaptiveClipSumQuery`: the sum is clipped to the current clip C_t
-  and noised with σ·C_t; then the noised fraction of norms at or below C_t moves the clip,
-  C_{t+1} = C_t · exp(−η (b̃_t − q)), and C_{t+1} is kept as optimizer state.
+  as TF Privacy's `QuantileAdaptiveClipSumQuery` computes it (written out here, so that its noise
+  comes from the secret `noise.NoiseSource` rather than TF's global generator): the sum is clipped
+  to the current clip C_t and noised with σ·C_t; then the noised fraction of norms at or below C_t,
+  b̃_t = clip((Σ_i (1[‖g_i‖ ≤ C_t] − ½) + N(0, s²)) / E + ½, 0, 1), moves the clip,
+  C_{t+1} = max(0, C_t · exp(−η (b̃_t − q))) (or C_t − η (b̃_t − q)), kept as optimizer state.
 
 Flat clipping takes one threshold from the norms over all variables; per-layer clipping one per
 trainable variable (a "layer", SPEC §2), noised σC_k on variable k.
@@ -21,17 +23,14 @@ from typing import Optional
 import dp_accounting
 import tensorflow as tf
 import tensorflow_probability as tfp
-from tensorflow_privacy.privacy.dp_query import quantile_adaptive_clip_sum_query
 
 from tfdp_variants import accounting
+from tfdp_variants import noise
 from tfdp_variants import transforms
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
 METHODS = ("direct", "geometric")
-# TF Privacy's count query: records are ±0.5 (was at or below the clip, shifted), so its
-# L2 sensitivity is 0.5 (QuantileEstimatorQuery._construct_below_estimate_query).
-COUNT_SENSITIVITY = 0.5
 
 
 @base.register
@@ -48,8 +47,8 @@ class QuantileClip(base.Algorithm):
       Andrew et al. recommend 0.2. Geometric only.
     clipped_count_stddev: stddev of the noise on the count of norms at or below the clip. None means
       `expected_num_records / 20`, as Andrew et al. recommend. Geometric only.
-    expected_num_records: the count's denominator; None means this batch's M, the denominator of
-      the gradient mean (SPEC §2). Geometric only.
+    expected_num_records: the count's denominator E; None means the denominator of the gradient
+      mean (this batch's M, or the optimizer's `expected_batch_size` when set). Geometric only.
     geometric_update: C ← C·exp(−η(b̃ − q)) if True (TF Privacy's default), else C ← C − η(b̃ − q).
   """
 
@@ -95,7 +94,10 @@ class QuantileClip(base.Algorithm):
     self.geometric_update = bool(geometric_update)
     self.privacy_guarantee = "certified" if method == "geometric" else "heuristic"
     self.clip: Optional[tf.Variable] = None  # Geometric: C_t, one per layer if per_layer.
-    self._num_layers: Optional[int] = None
+    # The count's records 1[‖g_i‖ ≤ C_t] − ½ are ±½ (TF Privacy shifts them so): one added or
+    # removed moves the count by ½, one replaced (−½ ↔ ½) by 1 (QuantileEstimatorQuery).
+    self.count_query = noise.GaussianSumQuery(self.noise, self.clipped_count_stddev or 0.0,
+                                              sensitivity=0.5, replace_sensitivity=1.0)
 
   def get_config(self) -> dict:
     return dict(quantile=self.quantile, per_layer=self.per_layer, method=self.method,
@@ -104,11 +106,10 @@ class QuantileClip(base.Algorithm):
                 expected_num_records=self.expected_num_records,
                 geometric_update=self.geometric_update)
 
-  def build(self, variables, add_state: base.AddState) -> None:
+  def _build(self, variables, add_state: base.AddState) -> None:
     """Geometric: the clip state C_0 = l2_norm_clip (one per variable if per_layer)."""
-    self._num_layers = len(variables)
     if self.method == "geometric":
-      shape = [self._num_layers] if self.per_layer else []
+      shape = [len(variables)] if self.per_layer else []
       self.clip = add_state("quantile_clip", tf.fill(shape, self.l2_norm_clip))
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
@@ -116,11 +117,10 @@ class QuantileClip(base.Algorithm):
     if self.method == "direct":
       bounds = [quantile_of(n, self.quantile) for n in norms]  # Alg. 2 line 6.
       summed = self._clipped_sum(grads, bounds)  # Line 7.
-      stddevs = [self.noise_multiplier * b for b in bounds]  # Line 8: N(0, σ²C²).
-      noised = transforms.add_gaussian_noise(summed, stddevs if self.per_layer else stddevs[0])
+      noised = self.gradient_query(summed, bounds if self.per_layer else bounds[0])  # Line 8.
     else:
       noised = self._private_step(grads, norms)
-    return transforms.mean_over_microbatches(noised, grads.num_microbatches)  # Line 8's 1/L.
+    return self.mean(noised, grads)  # Line 8's 1/L.
 
   def _norms(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     """The (M,) norms each bound is taken from: global, or one vector per variable."""
@@ -136,57 +136,44 @@ class QuantileClip(base.Algorithm):
 
   def _private_step(self, grads: PerExampleGradients, norms: list[tf.Tensor]
                     ) -> list[tf.Tensor]:
-    """Andrew et al. Alg. 1 by TF Privacy's QuantileAdaptiveClipSumQuery, one query per bound.
+    """Andrew et al. Alg. 1, as TF Privacy's QuantileAdaptiveClipSumQuery, one clip per bound.
 
-    The sample state a query would accumulate record by record is aggregated from the engine:
-    the clipped sum, and Σ_m (1[‖g_m‖ ≤ C_t] − ½) (QuantileEstimatorQuery.preprocess_record).
-    Its noised result is the noised sum and the next clip C_{t+1}, stored for the next step.
+    The gradient sum is clipped to C_t and noised σ·C_t; the count Σ_i (1[‖g_i‖ ≤ C_t] − ½)
+    (QuantileEstimatorQuery.preprocess_record) is noised N(0, s²), divided by E and unshifted by ½,
+    and moves the clip (QuantileEstimatorQuery.get_noised_result); C_{t+1} is stored for the next
+    step.
     """
     clips = tf.unstack(self.clip.read_value()) if self.per_layer else [self.clip.read_value()]
-    summed = self._clipped_sum(grads, clips)
-    parts = [[s] for s in summed] if self.per_layer else [summed]
-    num_records = (self.expected_num_records if self.expected_num_records is not None
-                   else grads.num_microbatches)
-    noised, new_clips = [], []
-    for clip, part, norm in zip(clips, parts, norms):
-      query = quantile_adaptive_clip_sum_query.QuantileAdaptiveClipSumQuery(
-          initial_l2_norm_clip=clip, noise_multiplier=self.noise_multiplier,
-          target_unclipped_quantile=self.quantile, learning_rate=self.clip_learning_rate,
-          clipped_count_stddev=self.clipped_count_stddev, expected_num_records=num_records,
-          geometric_update=self.geometric_update)
-      below = tf.reduce_sum(tf.cast(norm <= clip, tf.float32) - 0.5)
-      sample_state = query.initial_sample_state(part)._replace(sum_state=part,
-                                                               quantile_estimator_state=below)
-      result, state, _ = query.get_noised_result(sample_state, query.initial_global_state())
-      noised += result
-      new_clips.append(state.sum_state.l2_norm_clip)
+    noised = self.gradient_query(self._clipped_sum(grads, clips), clips if self.per_layer
+                                 else clips[0])
+    counts = [tf.reduce_sum(tf.cast(n <= c, tf.float32) - 0.5) for n, c in zip(norms, clips)]
+    noised_counts = self.count_query(counts, 1.0)
+    records = (tf.constant(float(self.expected_num_records)) if self.expected_num_records
+               else self.denominator(grads))
+    new_clips = []
+    for clip, count in zip(clips, noised_counts):
+      below = tf.clip_by_value(count / records + 0.5, 0.0, 1.0)  # b̃_t, out of range protected.
+      step = self.clip_learning_rate * (below - self.quantile)
+      new = clip * tf.exp(-step) if self.geometric_update else clip - step
+      new_clips.append(tf.maximum(new, 0.0))
     update = self.clip.assign(tf.stack(new_clips) if self.per_layer else new_clips[0])
     with tf.control_dependencies([update]):
       return [tf.identity(t) for t in noised]
 
-  def step_event(self, sampling_probability: float) -> Optional[dp_accounting.DpEvent]:
-    """Geometric: the gradient sum and the count, composed on one Poisson sample; direct: None.
+  def _certified_event(self, replace_one: bool, num_layers: Optional[int],
+                       num_parameters: Optional[int]) -> Optional[dp_accounting.DpEvent]:
+    """Geometric: the gradient sum and the count, composed; direct: None.
 
-    The count query's noise multiplier is its stddev over its sensitivity ½, as TF Privacy's own
-    event says. Per layer, K bounds give K gradient and K count queries: σ/√K and 2s/√K
-    (`accounting.per_layer_noise_multiplier`).
+    The count's noise multiplier is its stddev over its sensitivity (½; 1 when a record may be
+    replaced), as TF Privacy's own event says. Per layer, K bounds give K gradient and K count
+    queries: σ/√K and 2s/√K (`noise.GaussianSumQuery.event`).
     """
+    del num_parameters
     if self.method == "direct":
       return None  # The threshold and the noise scale are functions of this batch's gradients.
-    layers = 1
-    if self.per_layer:
-      if self._num_layers is None:
-        raise ValueError("The per-layer event depends on the number of trainable variables: ask "
-                         "after the optimizer is built (after the first step, or after "
-                         "optimizer.build(model.trainable_variables)).")
-      layers = self._num_layers
-    count_sigma = self.clipped_count_stddev / COUNT_SENSITIVITY
-    mechanism = dp_accounting.ComposedDpEvent([
-        dp_accounting.GaussianDpEvent(
-            accounting.per_layer_noise_multiplier(self.noise_multiplier, layers)),
-        dp_accounting.GaussianDpEvent(accounting.per_layer_noise_multiplier(count_sigma, layers)),
-    ])
-    return accounting.poisson_sampled(mechanism, sampling_probability)
+    k = self._layers(num_layers) if self.per_layer else 1
+    return accounting.composed([self.gradient_query.event(replace_one=replace_one, num_blocks=k),
+                                self.count_query.event(replace_one=replace_one, num_blocks=k)])
 
 
 def quantile_of(norms: tf.Tensor, quantile: float) -> tf.Tensor:

@@ -5,8 +5,9 @@ clipping, and noise N(0, σ² I) is added to the filtered sum. The paper account
 with sensitivity 1, but f(g) can have L2 norm up to c·√n (n trainable parameters; Section III-A),
 so as published the step has no guarantee at the paper's ε. Both numbers are reported:
 `nominal_step_event` is the paper's (Gaussian, noise multiplier σ), `step_event` the one the step
-certifiably is (noise multiplier σ/(c·√n)). With `certified=True`, f(g) is also clipped to C and
-the noise is N(0, σ²C² I): DP-SGD's guarantee at σ.
+certifiably is (noise multiplier σ/(c·√n); σ/(2c·√n) with several examples per microbatch).
+With `certified=True`, f(g) is also clipped to C and the noise is N(0, σ²C² I): DP-SGD's
+guarantee at σ.
 
 Example:
   >>> import tensorflow as tf, tfdp_variants
@@ -22,12 +23,12 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import dp_accounting
 import tensorflow as tf
 
-from tfdp_variants import accounting
+from tfdp_variants import noise
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.algorithms import base
@@ -68,14 +69,16 @@ class TanhFilter(base.Algorithm):
     self.certified = certified
     self.chunk_size = chunk_size
     self.privacy_guarantee = "certified" if certified else "none"
-    self.num_parameters: Optional[int] = None  # n, set by build().
+    if not certified:  # Each coordinate of f(g) lies in (−c, c): a block of bound c (range 2c).
+      self.gradient_query = noise.GaussianSumQuery(self.noise, self.noise_multiplier,
+                                                   sensitivity=self.output_range,
+                                                   replace_sensitivity=2 * self.output_range)
+    # The paper's accounting: sensitivity 1 (Section IV-B), 2 when a record may be replaced.
+    self._paper_query = noise.GaussianSumQuery(self.noise, self.noise_multiplier)
 
   def get_config(self) -> dict:
     return dict(output_range=self.output_range, active_range=self.active_range,
                 certified=self.certified, chunk_size=self.chunk_size)
-
-  def build(self, variables: Sequence[tf.Variable], add_state: base.AddState) -> None:
-    self.num_parameters = sum(v.shape.num_elements() for v in variables)
 
   def filter(self, g: tf.Tensor) -> tf.Tensor:
     """f(x) = c·tanh(x/k), elementwise (Algorithm 1, line 7; Section IV)."""
@@ -92,25 +95,27 @@ class TanhFilter(base.Algorithm):
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     if self.certified:
       summed = grads.reduce_chunks(self._clipped_filtered_sum, self.chunk_size)
-      stddev = self.noise_multiplier * self.l2_norm_clip
+      scale = self.l2_norm_clip
     else:
       summed = grads.reduce_chunks(self._filtered_sum, self.chunk_size)
-      stddev = self.noise_multiplier  # Algorithm 1, line 10: sensitivity taken as 1.
+      scale = 1.0  # Algorithm 1, line 10: N(0, σ² I), the sensitivity taken as 1.
     summed = [validation.assert_finite(s) for s in summed]
-    noised = transforms.add_gaussian_noise(summed, stddev)
-    return transforms.mean_over_microbatches(noised, grads.num_microbatches)
+    return self.mean(self.gradient_query(summed, scale), grads)
 
-  def step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
-    """The certified event: noise multiplier σ, or σ/(c·√n) without clipping (Section III-A)."""
+  def _certified_event(self, replace_one: bool, num_layers: Optional[int],
+                       num_parameters: Optional[int]) -> dp_accounting.DpEvent:
+    """Certified mode: σ (σ/2 replaced). Otherwise the true sensitivity (Section III-A): each of
+    the n coordinates of f(g) lies in (−c, c), so one example added or removed moves the sum by
+    up to c·√n and one replaced by up to 2c·√n: noise multiplier σ/(c·√n), or σ/(2c·√n)."""
     if self.certified:
-      return accounting.step_event(self.noise_multiplier, sampling_probability)
-    if self.num_parameters is None:
-      raise ValueError("The tanh filter's sensitivity c·√n needs n, the number of trainable "
-                       "parameters, known once the optimizer is built: call step_event after "
-                       "the first step, or optimizer.build(model.trainable_variables) first.")
-    sensitivity = self.output_range * math.sqrt(self.num_parameters)
-    return accounting.step_event(self.noise_multiplier / sensitivity, sampling_probability)
+      return self.gradient_query.event(replace_one=replace_one)
+    return self.gradient_query.event(replace_one=replace_one,
+                                     num_blocks=self._parameters(num_parameters))
 
-  def nominal_step_event(self, sampling_probability: float) -> dp_accounting.DpEvent:
-    """The paper's accounting: DP-SGD's event at σ, as if the sensitivity were 1 (Section IV-B)."""
-    return accounting.step_event(self.noise_multiplier, sampling_probability)
+  def nominal_mechanism_event(self, *, replace_one: bool = False,
+                              num_layers: Optional[int] = None,
+                              num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
+    """The paper's accounting: DP-SGD's Gaussian of σ, as if the sensitivity were 1 (Section
+    IV-B); σ/2 when a record may be replaced."""
+    del num_layers, num_parameters
+    return self._paper_query.event(replace_one=replace_one)

@@ -1,0 +1,328 @@
+"""Every way Keras runs a step trains exactly or is refused naming the fix (SPEC §6; issue 7).
+
+"Exactly" means: the weights equal a reference built from single-example tf.GradientTape gradients
+(clip each to C, sum, divide by B, the base optimizer's update).
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+
+L = tf.keras.layers
+B, CLIP, LR = 8, 0.3, 0.5
+
+
+def _loss():
+  return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+
+def _data(n=B, seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=(n, 6)).astype("float32") * 2, rng.integers(0, 3, n)
+
+
+def _model(seed=0, **dense_kwargs):
+  tf.keras.utils.set_random_seed(seed)
+  return tf.keras.Sequential([L.Input((6,)), L.Dense(5, activation="tanh", **dense_kwargs),
+                              L.Dense(3, dtype="float32")])
+
+
+def _reference_step(model, x, y, regularizer=None):
+  """Weights after one DP-SGD step (σ = 0), from single-example gradients, with SGD at LR.
+
+  `regularizer()` returns a data-independent loss whose gradient joins the mean clipped one.
+  """
+  variables = model.trainable_variables
+  total = [tf.zeros_like(v) for v in variables]
+  for i in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(_loss()(y[i:i + 1], model(x[i:i + 1], training=True)))
+    grads = tape.gradient(loss, variables)
+    scale = tf.minimum(1.0, CLIP / tf.linalg.global_norm(grads))
+    total = [t + g * scale for t, g in zip(total, grads)]
+  total = [t / len(x) for t in total]
+  if regularizer is not None:
+    with tf.GradientTape() as tape:
+      reg = regularizer()
+    grads = tape.gradient(reg, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    total = [t + g for t, g in zip(total, grads)]
+  return [v.numpy() - LR * t.numpy() for v, t in zip(variables, total)]
+
+
+def _fit_one_step(model, x, y, optimizer=None, **compile_kwargs):
+  model.compile(optimizer=optimizer or tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR),
+                loss=_loss(), **compile_kwargs)
+  model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+  return model
+
+
+def _assert_weights(got, want, rtol=1e-4, atol=1e-6):
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+
+
+def _run_fresh(code: str) -> str:
+  """Runs `code` in a fresh Python process and returns its stdout (raises on failure)."""
+  result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+# 5. apply_gradients takes only the gradients the optimizer privatized, on every step.
+
+
+def test_raw_gradients_are_refused_after_private_steps():
+  x, y = _data()
+  model = _fit_one_step(_model(), x, y)
+  raw = [(tf.ones_like(v), v) for v in model.trainable_variables]
+  with pytest.raises(RuntimeError, match="did not privatize.*train without privacy"):
+    model.optimizer.apply_gradients(raw)
+
+  optimizer = tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
+
+  @tf.function
+  def private_then_raw(x, y):
+    with tf.GradientTape() as tape:
+      loss = _loss()(y, model(x, training=True))
+    optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_loss()(y, model(x, training=True)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  with pytest.raises(RuntimeError, match="did not privatize"):
+    private_then_raw(x, y)
+
+
+def test_privatized_gradients_pass_unchanged_in_a_custom_loop():
+  x, y = _data()
+  model, reference = _model(), _model()
+  want = _reference_step(reference, x, y)
+  optimizer = tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = _loss()(y, model(x, training=True))
+    grads_and_vars = optimizer.compute_gradients(loss, model.trainable_variables, tape)
+    optimizer.apply_gradients(grads_and_vars)
+
+  step(x, y)
+  _assert_weights(model.get_weights(), want)
+
+
+# 6. Model losses: weight regularizers after privatization; batch-computed terms refused.
+
+
+class _PenalizedDense(L.Dense):
+  """A Dense layer whose call adds a loss of its weights alone (data-independent, as a tensor)."""
+
+  def call(self, inputs):
+    self.add_loss(0.2 * tf.reduce_sum(tf.abs(self.bias)))
+    return super().call(inputs)
+
+
+def test_weight_regularizers_are_added_after_privatization():
+  x, y = _data()
+
+  def model_with(last_layer):
+    tf.keras.utils.set_random_seed(0)
+    regularized = L.Dense(5, activation="tanh", kernel_regularizer=tf.keras.regularizers.L2(0.05),
+                          bias_regularizer=tf.keras.regularizers.L1(0.02))
+    return tf.keras.Sequential([L.Input((6,)), regularized, last_layer(3)])
+
+  model, reference = model_with(_PenalizedDense), model_with(L.Dense)
+  model.add_loss(lambda: 0.1 * tf.reduce_sum(model.layers[0].kernel ** 2))
+  first, last = reference.layers
+  want = _reference_step(reference, x, y, lambda: tf.add_n(reference.losses + [
+      0.1 * tf.reduce_sum(first.kernel ** 2), 0.2 * tf.reduce_sum(tf.abs(last.bias))]))
+  _assert_weights(_fit_one_step(model, x, y).get_weights(), want)
+  assert np.isfinite(model.evaluate(x, y, verbose=0))  # The per-example data loss, averaged.
+
+
+def test_model_losses_computed_from_the_batch_are_refused():
+  x, y = _data()
+  activity = _model(activity_regularizer=tf.keras.regularizers.L2(0.1))
+  with pytest.raises(ValueError, match="computed from the batch.*kernel_regularizer"):
+    _fit_one_step(activity, x, y)
+  inputs = L.Input((6,))
+  hidden = L.Dense(5)(inputs)
+  model = tf.keras.Model(inputs, L.Dense(3)(hidden))
+  model.add_loss(0.1 * tf.reduce_mean(hidden))
+  with pytest.raises(ValueError, match="computed from the batch"):
+    _fit_one_step(model, x, y)
+
+
+def test_model_losses_in_an_eager_step_are_refused():
+  x, y = _data()
+  with pytest.raises(ValueError, match="eager step cannot tell.*run_eagerly"):
+    _fit_one_step(_model(kernel_regularizer="l2"), x, y, run_eagerly=True)
+
+
+# 7. Mixed precision: gradients unscaled before clipping; overflowing steps skipped.
+
+
+@pytest.fixture
+def mixed_float16():
+  tf.keras.mixed_precision.set_global_policy("mixed_float16")
+  yield
+  tf.keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("base", [tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD])
+def test_mixed_precision_clips_the_unscaled_gradients(mixed_float16, base):
+  x, y = _data()
+  optimizer = tfdp_variants.make_dp_optimizer_class(base)(CLIP, 0.0, learning_rate=LR)
+  model = _fit_one_step(_model(), x, y, optimizer)
+  assert isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+  tf.keras.mixed_precision.set_global_policy("float32")
+  reference = _model()
+  before = reference.get_weights()
+  want = _reference_step(reference, x, y)
+  # float16 matmuls: compare the updates at float16's precision (~1e-3 relative).
+  for g, w, w0 in zip(model.get_weights(), want, before):
+    np.testing.assert_allclose(g - w0, w - w0, rtol=2e-2, atol=1e-4)
+  # At the scaled bound C/32768 the update would be ~32768 times smaller.
+  update = np.sqrt(sum(np.sum((g - w0) ** 2) for g, w0 in zip(model.get_weights(), before)))
+  assert update > 0.1 * LR * CLIP
+
+
+@pytest.mark.parametrize("cls,learning_rate", [(tfdp_variants.DPSGD, 0.2),
+                                               (tfdp_variants.DPAdam, 0.01)])
+def test_mixed_precision_trains(mixed_float16, cls, learning_rate):
+  x, y = _data(64)
+  y = (x[:, 0] > 0).astype("int32")
+  model = _model()
+  model.compile(optimizer=cls(1.0, 0.5, learning_rate=learning_rate), loss=_loss())
+  logger = tfdp_variants.callbacks.PrivacyLogger(num_examples=64, batch_size=16)
+  history = model.fit(x, y, batch_size=16, epochs=38, verbose=0, callbacks=[logger])  # 152 steps.
+  losses = history.history["loss"]
+  assert np.all(np.isfinite(losses)) and np.mean(losses[-5:]) < 0.8 * losses[0]
+  assert logger.epsilon_nominal > 0
+
+
+def test_mixed_precision_skips_an_overflowing_step(mixed_float16):
+  x, y = _data()
+  model = _model()
+  optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
+      tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR), initial_scale=2.0 ** 60)
+  before = model.get_weights()
+  model.compile(optimizer=optimizer, loss=_loss())
+  model.fit(x, y, batch_size=B, verbose=0)  # The float16 backward pass overflows at scale 2^60.
+  _assert_weights(model.get_weights(), before, rtol=0, atol=0)
+  assert float(optimizer.loss_scale) == 2.0 ** 59 and int(optimizer.iterations) == 1
+
+
+def test_mixed_precision_refuses_raw_gradients(mixed_float16):
+  x, y = _data()
+  model = _fit_one_step(_model(), x, y, run_eagerly=True)
+  with pytest.raises(RuntimeError, match="did not privatize"):
+    model.optimizer.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
+
+
+# 8. tf.distribute: refused until distributed DP training exists.
+
+
+def test_mirrored_strategy_is_refused():
+  out = _run_fresh("""
+      import numpy as np, tensorflow as tf
+      cpu = tf.config.list_physical_devices("CPU")[0]
+      tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      import tfdp_variants
+      with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+        model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0), loss=tf.keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
+      try:
+        model.fit(np.ones((8, 4), "float32"), np.zeros(8), batch_size=8, verbose=0)
+      except ValueError as e:
+        print("REFUSED" if "2 replicas" in str(e) and "one device" in str(e) else e)
+      """)
+  assert "REFUSED" in out
+
+
+# 9. Clear errors.
+
+
+def test_indivisible_batch_is_refused_by_the_package_check():
+  x, y = _data(10)
+  model = _model()
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0, num_microbatches=4), loss=_loss())
+  with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of num_microbatches=4"):
+    model.fit(x, y, batch_size=8, verbose=0)  # A last batch of 2, in a graph of unknown batch size.
+
+
+@pytest.mark.parametrize("value", [np.float32(1.5), np.float64(1.5), np.int64(2), 2])
+def test_numpy_hyperparameters_are_accepted(value):
+  optimizer = tfdp_variants.DPAdam(l2_norm_clip=value, noise_multiplier=value)
+  assert (optimizer.l2_norm_clip, optimizer.noise_multiplier) == (float(value), float(value))
+
+
+@pytest.mark.parametrize("value", [True, np.nan, np.inf, "1.0", np.float32(-1.0)])
+def test_non_numbers_are_refused(value):
+  with pytest.raises(ValueError, match="l2_norm_clip must be a finite number"):
+    tfdp_variants.DPSGD(l2_norm_clip=value, noise_multiplier=1.0)
+  with pytest.raises(ValueError, match="noise_multiplier must be a finite number"):
+    tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=value)
+
+
+def test_model_without_trainable_variables_is_refused():
+  x, y = _data()
+  model = _model()
+  for layer in model.layers:
+    layer.trainable = False
+  with pytest.raises(ValueError, match="no trainable variables"):
+    _fit_one_step(model, x, y)
+
+
+def test_per_timestep_beside_per_example_loss_is_refused():
+  inputs = L.Input((5, 4))
+  model = tf.keras.Model(inputs, [L.Dense(3)(inputs), L.Dense(2)(L.Flatten()(inputs))])
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0),
+                loss=[_loss(), tf.keras.losses.MeanSquaredError(reduction="none")])
+  with pytest.raises(ValueError, match=r"\(B, T\).*Reduce each output's loss to shape \(B,\)"):
+    model.fit(np.ones((4, 5, 4), "float32"), [np.zeros((4, 5)), np.zeros((4, 2))], verbose=0)
+
+
+# 10. Any class from make_dp_optimizer_class saves and loads in a fresh process, with its state.
+
+
+def test_made_classes_load_in_a_fresh_process(tmp_path):
+  x, y = _data(16)
+  classes = [
+      tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Nadam),
+      tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adamax, "noisy_gradient",
+                                            order="clip_then_noise"),
+      tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.SGD, "quantile_clip")]
+  for i, cls in enumerate(classes):
+    model = _model()
+    model.compile(optimizer=cls(1.0, 0.5, learning_rate=0.01), loss=_loss())
+    model.fit(x, y, batch_size=B, verbose=0)
+    model.save(tmp_path / f"{i}.keras")
+    np.savez(tmp_path / f"{i}.npz", *[v.numpy() for v in model.optimizer.variables])
+  out = _run_fresh(f"""
+      import numpy as np, tensorflow as tf
+      import tfdp_variants
+      rng = np.random.default_rng(0)
+      x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 3, 16)
+      for i in range({len(classes)}):
+        model = tf.keras.models.load_model("{tmp_path}/%d.keras" % i)
+        optimizer = model.optimizer
+        saved = np.load("{tmp_path}/%d.npz" % i)
+        assert len(optimizer.variables) == len(saved.files) > 2
+        for v, key in zip(optimizer.variables, saved.files):
+          np.testing.assert_array_equal(v.numpy(), saved[key], err_msg=v.name)
+        model.fit(x, y, batch_size=8, verbose=0)
+        print(type(optimizer).__name__, optimizer.algorithm.get_config().get("order"),
+              int(optimizer.iterations))
+      """)
+  assert out.split("\n")[:3] == ["DPNadam None 4",
+                                 "NoisyGradientAdamax_order_clip_then_noise clip_then_noise 4",
+                                 "QuantileClipSGD None 4"]

@@ -1,0 +1,190 @@
+"""Secret noise, its events, the step counter and expected_batch_size (SPEC §4)."""
+
+import zipfile
+
+import dp_accounting
+import h5py
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+from tfdp_variants import noise
+
+L = tf.keras.layers
+B = 8
+
+
+def test_query_adds_noise_of_sigma_times_each_scale():
+  zeros = [tf.zeros([200, 100]), tf.zeros([20000])]
+  query = noise.GaussianSumQuery(noise.NoiseSource(), 0.5)
+  noised = query(zeros, [1.0, 4.0])
+  assert abs(np.std(noised[0]) / 0.5 - 1) < 0.03 and abs(np.std(noised[1]) / 2.0 - 1) < 0.03
+  assert noise.GaussianSumQuery(noise.NoiseSource(), 0.0)(zeros, 1.0)[0] is zeros[0]
+
+
+def test_query_event_divides_sigma_by_the_sensitivity_of_the_whole_record():
+  query = noise.GaussianSumQuery(noise.NoiseSource(), 2.0, sensitivity=0.5, replace_sensitivity=1.0)
+  assert query.event() == dp_accounting.GaussianDpEvent(4.0)
+  assert query.event(replace_one=True) == dp_accounting.GaussianDpEvent(2.0)
+  assert query.event(num_blocks=4) == dp_accounting.GaussianDpEvent(2.0)  # Δ√K = 1.
+  with pytest.raises(ValueError, match="num_blocks"):
+    query.event(num_blocks=0)
+
+
+def test_gamma_and_uniform_draws():
+  source = noise.NoiseSource()
+  gamma = source.gamma([20000], tf.constant(3.0)).numpy()
+  assert abs(gamma.mean() / 3.0 - 1) < 0.03 and abs(gamma.var() / 3.0 - 1) < 0.06
+  uniform = source.uniform([20000]).numpy()
+  assert uniform.min() >= 0 and uniform.max() < 1 and abs(uniform.mean() - 0.5) < 0.01
+
+
+def _pure_noise(optimizer, shape=(30, 40)):
+  """A step function whose privatized gradient is pure noise (zero gradients), as a flat array."""
+  var = tf.Variable(tf.zeros(shape))
+  x = tf.ones([B, shape[0]])
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.matmul(x, var), 1) * 0.0
+    return optimizer.compute_gradients(loss, [var], tape)[0][0]
+
+  return lambda: step().numpy().ravel()
+
+
+def test_noise_ignores_keras_seed_unless_noise_seed_is_given():
+  draws = []
+  for _ in range(2):
+    tf.keras.utils.set_random_seed(0)
+    draws.append(_pure_noise(tfdp_variants.DPSGD(1.0, 1.0))())
+  assert np.std(draws[0]) > 0.05 and not np.allclose(draws[0], draws[1])
+  seeded = []
+  for _ in range(2):
+    with pytest.warns(UserWarning, match="noise_seed=7 makes the DP noise reproducible"):
+      opt = tfdp_variants.DPSGD(1.0, 1.0, noise_seed=7)
+    tf.keras.utils.set_random_seed(len(seeded))  # The Keras seed does not matter either way.
+    seeded.append(_pure_noise(opt)())
+    assert opt.privacy_guarantee == "none"
+    assert opt.step_event(0.01) is None and opt.mechanism_event() is None
+    assert opt.nominal_step_event(0.01) == dp_accounting.PoissonSampledDpEvent(
+        0.01, dp_accounting.GaussianDpEvent(1.0))
+    assert opt.get_config()["noise_seed"] == 7
+  np.testing.assert_array_equal(seeded[0], seeded[1])
+
+
+def _model_and_data():
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([L.Input((3,)), L.Dense(2)])
+  rng = np.random.default_rng(0)
+  return model, rng.normal(size=(B, 3)).astype("float32"), rng.normal(size=(B, 2)).astype(
+      "float32")
+
+
+def _generator_state(optimizer):
+  return optimizer.algorithm.noise.generator.state.numpy()
+
+
+def test_checkpoint_neither_holds_nor_replays_the_noise(tmp_path):
+  """A restored checkpoint continues with new noise: its step differs from the one after saving."""
+  model, x, y = _model_and_data()
+  opt = tfdp_variants.DPSGD(1.0, 1.0, learning_rate=1.0)
+  model.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+  model.fit(x, y, batch_size=B, verbose=0)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+  path = checkpoint.save(str(tmp_path / "ckpt"))
+  saved = [tf.train.load_variable(path, name) for name, _ in tf.train.list_variables(path)
+           if name != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+  state = _generator_state(opt)
+  assert not any(np.shape(v) == state.shape and np.array_equal(v, state) for v in saved)
+  before = model.get_weights()
+  model.fit(x, y, batch_size=B, verbose=0)
+  first = model.get_weights()
+  checkpoint.restore(path)
+  np.testing.assert_array_equal(model.get_weights()[0], before[0])
+  model.fit(x, y, batch_size=B, verbose=0)
+  assert not np.allclose(model.get_weights()[0], first[0])  # Same data and weights, new noise.
+  assert int(opt.dp_steps.numpy()) == 2  # 1 step restored, then one more.
+
+
+def test_keras_file_holds_no_generator_state(tmp_path):
+  model, x, y = _model_and_data()
+  opt = tfdp_variants.DPAdam(1.0, 1.0, learning_rate=0.1)
+  model.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+  model.fit(x, y, batch_size=B, verbose=0)
+  path = str(tmp_path / "model.keras")
+  model.save(path)
+  state = _generator_state(opt)
+  arrays = []
+  with zipfile.ZipFile(path) as archive:
+    archive.extract("model.weights.h5", tmp_path)
+  with h5py.File(tmp_path / "model.weights.h5") as weights:
+    weights.visititems(lambda _, item: arrays.append(item[()])
+                       if isinstance(item, h5py.Dataset) else None)
+  assert any(a.dtype == np.int64 and a.shape == () and a == 1 for a in arrays)  # dp_steps.
+  assert not any(a.shape == state.shape and np.array_equal(a, state) for a in arrays)
+  loaded = tf.keras.models.load_model(path)
+  assert int(loaded.optimizer.dp_steps.numpy()) == 1
+  assert not np.array_equal(_generator_state(loaded.optimizer), state)
+
+
+def test_dp_steps_counts_every_step_of_steps_per_execution(tmp_path):
+  model, x, y = _model_and_data()
+  opt = tfdp_variants.DPSGD(1.0, 0.5, learning_rate=0.1)
+  assert opt.dp_steps is None  # Made with the optimizer's other state.
+  model.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError(reduction="none"),
+                steps_per_execution=3)
+  model.fit(np.tile(x, (5, 1)), np.tile(y, (5, 1)), batch_size=4, verbose=0)  # 10 steps.
+  assert int(opt.dp_steps.numpy()) == int(opt.iterations.numpy()) == 10
+  model.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError(reduction="none"),
+                steps_per_execution=1)
+  model.fit(x, y, batch_size=4, verbose=0)
+  assert int(opt.dp_steps.numpy()) == 12
+  path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+  fresh_model, _, _ = _model_and_data()
+  fresh = tfdp_variants.DPSGD(1.0, 0.5, learning_rate=0.1)
+  fresh.build(fresh_model.trainable_variables)
+  assert int(fresh.dp_steps.numpy()) == 0
+  tf.train.Checkpoint(optimizer=fresh).restore(path).assert_existing_objects_matched()
+  assert int(fresh.dp_steps.numpy()) == 12
+
+
+@pytest.mark.parametrize("base", [tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD])
+def test_expected_batch_size_divides_the_sum_whatever_the_batch_size(base):
+  """σ = 0: the update is Σ_i clip(g_i, C) / E for batches of 3 and 7; its norm does not scale
+  as 1/|B|, so it does not reveal |B|."""
+  cls = tfdp_variants.make_dp_optimizer_class(base)
+  expected, clip = 5.0, 0.5
+  for size in (3, 7):
+    model, x, y = _model_and_data()
+    x, y = x[:size], y[:size]
+    w0, b0 = model.get_weights()
+    per_example = []
+    for i in range(size):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x[i:i + 1]) - y[i:i + 1]))
+      per_example.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+    norms = [np.sqrt(sum(np.sum(g**2) for g in gs)) for gs in per_example]
+    assert max(norms) > clip  # Clipping binds.
+    want = [sum(gs[k] / max(1.0, n / clip) for gs, n in zip(per_example, norms)) / expected
+            for k in range(2)]
+    opt = cls(clip, 0.0, expected_batch_size=expected, learning_rate=1.0)
+    model.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+    model.fit(x, y, batch_size=size, verbose=0)
+    w1, b1 = model.get_weights()
+    np.testing.assert_allclose(w0 - w1, want[0], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(b0 - b1, want[1], rtol=1e-4, atol=1e-6)
+  assert opt.get_config()["expected_batch_size"] == expected
+  assert type(opt).from_config(opt.get_config()).algorithm.expected_batch_size == expected
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(expected_batch_size=8, num_microbatches=4), "cannot be used with num_microbatches"),
+    (dict(expected_batch_size=0), "expected_batch_size must be"),
+    (dict(expected_batch_size=True), "expected_batch_size must be"),
+    (dict(noise_seed=1.5), "noise_seed must be"),
+])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tfdp_variants.DPSGD(1.0, 1.0, **kwargs)

@@ -1,0 +1,233 @@
+"""Where the DP optimizers meet Keras 2 (TF 2.15): its loss, its loss scaling and its saving.
+
+Everything that depends on how Keras runs a step lives here, so that a Keras version's differences
+stay in one module:
+
+* Model losses. Keras 2.15's `Model.compute_loss` adds the model's losses (weight regularizers,
+  `add_loss` terms) to the compiled loss with an `AddN`, which fails on a per-example loss vector
+  ("Shapes must be equal rank"), and a DP optimizer only sees the loss after that. So
+  `tf.keras.Model.compute_loss` is wrapped, once, when this module is imported: for a model whose
+  optimizer is a DP optimizer (or a LossScaleOptimizer around one) it returns the per-example data
+  loss alone. Terms that do not depend on the step's data are left to the optimizer, which adds
+  their gradient after privatization (the objective is the mean data loss plus the regularizer, as
+  in TF Privacy's models); terms computed from the batch (activity regularizers, `add_loss` on
+  inputs or activations) mix examples and are refused. Any other optimizer gets Keras' own method.
+* Mixed precision. Under `mixed_float16` Keras wraps the optimizer in a LossScaleOptimizer, which
+  multiplies the loss by its scale s before calling the inner optimizer's `compute_gradients` and
+  divides the result by s. A DP optimizer finds its wrapper on the call stack, divides the
+  per-example gradients by s before clipping (so that C bounds the true gradients), and returns
+  its privatized gradient times s.
+* Saving. Every class made by `make_dp_optimizer_class` is serialized under one registered name,
+  `tfdp_variants>DPOptimizer`, with its recipe (base class, algorithm, options) in its config, so a
+  saved model loads in a process that has not made the class yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import weakref
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tfdp_variants import validation
+from tfdp_variants.per_example import PerExampleGradients
+
+LossScaleOptimizer = tf.keras.mixed_precision.LossScaleOptimizer  # Keras 2's and its legacy one.
+
+# Ops through which the step's data enters a graph.
+_DATA_OPS = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue")
+
+
+def unwrap(optimizer):
+  """The optimizer inside a LossScaleOptimizer (mixed precision), else `optimizer` itself."""
+  while isinstance(optimizer, LossScaleOptimizer):
+    optimizer = optimizer.inner_optimizer
+  return optimizer
+
+
+def _is_dp(optimizer) -> bool:
+  from tfdp_variants.optimizers import DPOptimizerMixin  # pylint: disable=g-import-not-at-top
+  return isinstance(unwrap(optimizer), DPOptimizerMixin)  # (optimizers imports this module.)
+
+
+def loss_scale_wrapper(inner) -> Optional[LossScaleOptimizer]:
+  """The LossScaleOptimizer around `inner` whose method is on the call stack, if any.
+
+  Its `compute_gradients` scales the loss before calling `inner`'s, and its `apply_gradients`
+  unscales, aggregates and passes the gradients on to `inner`'s.
+  """
+  frame = inspect.currentframe()
+  try:
+    while frame is not None:
+      owner = frame.f_locals.get("self")
+      if isinstance(owner, LossScaleOptimizer) and owner.inner_optimizer is inner:
+        return owner
+      frame = frame.f_back
+    return None
+  finally:
+    del frame
+
+
+class UnscaledGradients:
+  """The per-example gradients of a loss scaled by s, divided by s: those of the loss itself.
+
+  The engine differentiates the scaled loss (so a float16 backward pass keeps the range the scale
+  buys) and its factors are in the variables' dtype (float32 under mixed_float16), where this
+  division is exact up to rounding. It answers the questions of `PerExampleGradients`.
+  """
+
+  def __init__(self, grads: PerExampleGradients, loss_scale: tf.Tensor):
+    self._grads = grads
+    self._inverse = 1.0 / tf.cast(loss_scale, tf.float32)
+    self.variables = grads.variables
+    self.num_microbatches = grads.num_microbatches
+
+  def _scale(self, t: tf.Tensor, power: int = 1) -> tf.Tensor:
+    return t * tf.cast(self._inverse, t.dtype) ** power
+
+  @property
+  def rules(self) -> list[str]:
+    return self._grads.rules
+
+  def squared_norms(self) -> list[tf.Tensor]:
+    return [self._scale(s, 2) for s in self._grads.squared_norms()]
+
+  def global_norms(self) -> tf.Tensor:
+    return self._scale(self._grads.global_norms())
+
+  def weighted_sum(self, weights) -> list[tf.Tensor]:
+    return [self._scale(t) for t in self._grads.weighted_sum(weights)]
+
+  def gram(self) -> tf.Tensor:
+    return self._scale(self._grads.gram(), 2)
+
+  def dots(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    return self._scale(self._grads.dots(tensors))
+
+  def materialize(self, start=0, stop=None) -> list[tf.Tensor]:
+    return [self._scale(t) for t in self._grads.materialize(start, stop)]
+
+  def reduce_chunks(self, fn: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+                    chunk_size: int = 32) -> list[tf.Tensor]:
+    return self._grads.reduce_chunks(lambda rows: fn([self._scale(t) for t in rows]), chunk_size)
+
+
+# Model losses.
+
+_LEFT_TO_OPTIMIZER: weakref.WeakSet = weakref.WeakSet()  # Models whose compute_loss left them.
+
+
+def _depends_on_data(tensor: tf.Tensor, data: Sequence[tf.Tensor]) -> bool:
+  """Whether the graph computes `tensor` from the step's data.
+
+  Data is `data`, an input iterator's output, or any function argument or captured value other
+  than a variable handle (so a term of unclear origin counts as data: refused, not trusted).
+  """
+  data_ops = {t.op for t in data}
+  seen, stack = set(), [tensor.op]
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    if (op in data_ops or op.type in _DATA_OPS
+        or (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource)):
+      return True
+    stack.extend(t.op for t in op.inputs)
+    stack.extend(op.control_inputs)
+  return False
+
+
+def check_model_losses(model: tf.keras.Model, data) -> None:
+  """Raises ValueError for a model loss computed from the batch: it mixes examples.
+
+  Kernel and bias regularizers (and other `add_loss` terms of the weights alone) pass; their
+  gradient is added by the optimizer after privatization.
+  """
+  terms = model.losses
+  if terms and tf.executing_eagerly():
+    raise ValueError(
+        f"The model has {len(terms)} model losses (regularizers or add_loss terms), and an eager "
+        "step cannot tell whether they depend on the batch. Train in a graph (compile without "
+        "run_eagerly=True, or wrap the step in tf.function), where weight regularizers are added "
+        "after privatization.")
+  data = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
+  for term in terms:
+    if _depends_on_data(term, data):
+      raise ValueError(
+          f"The model loss {term.name!r} is computed from the batch (an activity regularizer, or "
+          "add_loss on inputs or activations): it mixes the examples, so no per-example clip "
+          "bounds one example's influence through it. Remove it, or regularize the weights "
+          "instead (kernel_regularizer, bias_regularizer, add_loss of the weights alone): the DP "
+          "optimizer adds their gradient after privatization.")
+
+
+def model_losses_left(model: Optional[tf.keras.Model]) -> list[tf.Tensor]:
+  """The model's data-independent losses, if its compute_loss left them to the optimizer."""
+  if model is None or model not in _LEFT_TO_OPTIMIZER:
+    return []
+  return model.losses
+
+
+_keras_compute_loss = tf.keras.Model.compute_loss
+
+
+@functools.wraps(_keras_compute_loss)
+def _compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+  """Keras' compute_loss; for a DP optimizer the per-example data loss (see the module doc)."""
+  if not _is_dp(getattr(self, "optimizer", None)):
+    return _keras_compute_loss(self, x, y, y_pred, sample_weight)
+  if validation.training_model() is self:
+    check_model_losses(self, (x, y, sample_weight))
+    _LEFT_TO_OPTIMIZER.add(self)
+  try:
+    return self.compiled_loss(y, y_pred, sample_weight)
+  except ValueError as e:
+    if len(tf.nest.flatten(y_pred)) < 2:
+      raise
+    raise ValueError(
+        "The per-example losses of this model's outputs could not be added up (error above). A "
+        "DP optimizer needs one loss value per example from each output: a per-timestep loss of "
+        "shape (B, T) beside a per-example one of shape (B,) is ambiguous. Reduce each output's "
+        "loss to shape (B,), e.g. loss=lambda y, p: tf.reduce_mean(seq_loss(y, p), axis=-1) "
+        "for the sequence output, or give all outputs losses of the same shape.") from e
+
+
+_compute_loss.tfdp_wrapper = True
+if not getattr(tf.keras.Model.compute_loss, "tfdp_wrapper", False):
+  tf.keras.Model.compute_loss = _compute_loss
+
+
+# Saving.
+
+REGISTERED_NAME = ("tfdp_variants", "DPOptimizer")
+
+
+def register(cls: type, loader: type) -> None:
+  """Serializes `cls` under `REGISTERED_NAME`, which Keras resolves to `loader`.
+
+  Keras 2.15 looks a class up by the registered name its config carries, so the name must be known
+  to a fresh process: `loader.from_config` rebuilds the class from the recipe in the config.
+  """
+  tf.keras.utils.register_keras_serializable(*REGISTERED_NAME)(cls)  # Names cls (and binds it).
+  tf.keras.utils.register_keras_serializable(*REGISTERED_NAME)(loader)  # Binds the name to loader.
+
+
+def class_reference(cls: type) -> dict:
+  """What `resolve_class` needs to find `cls` again in another process."""
+  return {"module": cls.__module__, "class_name": cls.__qualname__,
+          "registered_name": tf.keras.utils.get_registered_name(cls)}
+
+
+def resolve_class(reference: dict) -> type:
+  """The class of `class_reference`: registered with Keras, or imported from its module."""
+  registered = tf.keras.utils.get_registered_object(reference["registered_name"])
+  if registered is not None:
+    return registered
+  obj = importlib.import_module(reference["module"])
+  for name in reference["class_name"].split("."):
+    obj = getattr(obj, name)
+  return obj

@@ -1,0 +1,155 @@
+"""Secret noise for differential privacy, and each noised sum together with its DpEvent (SPEC §4).
+
+A DP guarantee holds only if nobody can reproduce the noise. `tf.keras.utils.set_random_seed`, a
+binary's `--seed` and the data pipeline's seeds fix TensorFlow's global random state; noise drawn
+from it can be subtracted by whoever knows the seed (ε = ∞). Every DP noise draw of this package
+therefore comes from a `NoiseSource`: a Philox `tf.random.Generator` whose state is 192 bits from
+the operating system's entropy (`os.urandom`), independent of every seed a user sets. It is held by
+the algorithm, outside Keras' and `tf.train.Checkpoint`'s tracking, so no saved model or checkpoint
+contains it and a restored run does not replay its noise.
+
+Reproducible noise is a debugging opt-in (`noise_seed=` on every DP optimizer): the noise is then
+known to whoever knows the seed, so the optimizer is labelled `privacy_guarantee="none"` and has no
+certified event.
+
+Caveats, as Opacus states them for its `secure_mode`:
+- Philox is a fast counter-based generator, not a cryptographically secure one; the secret is its
+  entropy-drawn key and counter, and the guarantee assumes its output cannot be predicted.
+- The guarantee is that of the ideal mechanism over the reals. Floating-point samples are not the
+  reals: Mironov (2012, "On significance of the least significant bits for differential privacy",
+  CCS) showed that the low-order bits of textbook floating-point Laplace samples reveal the
+  unnoised value, and the same class of attack applies to floating-point Gaussian samples (Jin et
+  al. 2022, "Are we there yet? Timing and floating-point attacks on differential privacy
+  systems"). Like TF Privacy (and Opacus outside `secure_mode`), this package does not defend
+  against it.
+
+`GaussianSumQuery` is the one place each step's noise and its event come from, as TF Privacy's
+`DPQuery.get_noised_result` returns its event: an algorithm builds its queries once, adds noise
+with them and asks them what mechanism that noise is, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional, Sequence
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+
+
+class NoiseSource:
+  """The generator every DP noise draw of one optimizer comes from.
+
+  Args:
+    seed: None (default): a secret state from OS entropy. An int: reproducible noise, for
+      debugging only (no privacy: anyone who knows the seed can remove the noise).
+
+  The generator is created with the source, under `tf.init_scope()` (outside any traced
+  function), and is tracked by nothing: no checkpoint holds it.
+  """
+
+  def __init__(self, seed: Optional[int] = None):
+    self._seed: Optional[int] = None
+    self.generator: tf.random.Generator
+    self.set_seed(seed)
+
+  def set_seed(self, seed: Optional[int]) -> None:
+    """A new generator: secret (None) or reproducible (an int); call it before the first step.
+
+    Traced steps keep the generator they were traced with, so a DP optimizer sets this once, when
+    it is created (`noise_seed`).
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+      raise ValueError(f"noise_seed must be None (secret noise) or an int, got {seed!r}.")
+    self._seed = None if seed is None else int(seed)
+    with tf.init_scope():  # Its state variable lives outside any traced function.
+      if self._seed is None:
+        state = np.frombuffer(os.urandom(24), dtype=np.int64)  # Philox: 128-bit counter, key.
+        self.generator = tf.random.Generator(state=state, alg="philox")
+      else:
+        self.generator = tf.random.Generator.from_seed(self._seed, alg="philox")
+
+  @property
+  def seed(self) -> Optional[int]:
+    """The opted-in seed; None for secret noise."""
+    return self._seed
+
+  @property
+  def reproducible(self) -> bool:
+    """Whether the noise can be reproduced (a seed was given): then nothing is certified."""
+    return self._seed is not None
+
+  def normal(self, shape, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """Standard normal draws."""
+    return self.generator.normal(shape, dtype=dtype)
+
+  def gamma(self, shape, alpha: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """Gamma(alpha, 1) draws of the given (full) shape, which `alpha` broadcasts to.
+
+    The generator has no gamma sampler: a stateless draw keyed by the generator's next seed.
+    """
+    seed = self.generator.make_seeds(1)[:, 0]
+    return tf.random.stateless_gamma(shape, seed, alpha, dtype=dtype)
+
+  def uniform(self, shape, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """Uniform [0, 1) draws (e.g. Poisson sampling masks, which must be secret too)."""
+    return self.generator.uniform(shape, dtype=dtype)
+
+
+def _scales(scale, count: int) -> list:
+  return list(scale) if isinstance(scale, (list, tuple)) else [scale] * count
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GaussianSumQuery:
+  """Adds N(0, (σ·scale)² I) to a sum of records and says which Gaussian mechanism that is.
+
+  Records are bounded in units of a `scale` given at each call (the clip C, a per-layer bound C_k,
+  1 for the tanh filter's or the count's fixed ranges), so a data-independent scale may change
+  from step to step (adaptive clipping) while the event stays the same.
+
+  Attributes:
+    source: the generator of the noise.
+    noise_multiplier: σ, the noise std over the scale.
+    sensitivity: the most one record ADDED OR REMOVED moves the sum, in units of the scale
+      (1 for vectors clipped to norm `scale`).
+    replace_sensitivity: the most one record REPLACED by another moves it, in units of the scale
+      (2 for clipped vectors: ‖a − b‖ ≤ ‖a‖ + ‖b‖ ≤ 2·scale; the width of the range for bounded
+      scalar records).
+  """
+
+  source: NoiseSource
+  noise_multiplier: float
+  sensitivity: float = 1.0
+  replace_sensitivity: float = 2.0
+
+  def __call__(self, tensors: Sequence[tf.Tensor], scale) -> list[tf.Tensor]:
+    """t + N(0, (σ·scale)² I) for each tensor; `scale` is one value (or tensor) or one per tensor.
+
+    σ = 0 adds nothing (no random op in the graph).
+    """
+    if self.noise_multiplier == 0:
+      return list(tensors)
+    return [t + self.source.normal(tf.shape(t), t.dtype) * tf.cast(self.noise_multiplier * s,
+                                                                   t.dtype)
+            for t, s in zip(tensors, _scales(scale, len(tensors)))]
+
+  def event(self, *, replace_one: bool = False, num_blocks: int = 1
+            ) -> dp_accounting.GaussianDpEvent:
+    """GaussianDpEvent(σ / (Δ·√K)) of one noised sum.
+
+    Args:
+      replace_one: use `replace_sensitivity` (one record's contribution may be replaced: a
+        microbatch of several examples under add/remove, or substitution adjacency).
+      num_blocks: K, blocks noised separately, block k at σ·scale_k with records bounded by
+        Δ·scale_k in it (per-layer clipping: one block per variable; the tanh filter: one per
+        coordinate). Dividing block k by scale_k makes all noise N(0, σ²) and the sensitivity of
+        the whole Δ·√K (a sum of K blocks each within Δ).
+    """
+    if not (isinstance(num_blocks, (int, np.integer)) and num_blocks >= 1):
+      raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}.")
+    delta = self.replace_sensitivity if replace_one else self.sensitivity
+    return dp_accounting.GaussianDpEvent(self.noise_multiplier / (delta * math.sqrt(num_blocks)))
