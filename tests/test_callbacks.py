@@ -62,34 +62,44 @@ def test_module_example():
 
 
 def test_privacy_logger_dpadam(tmp_path, capsys):
-  logger = callbacks.PrivacyLogger(N, B, delta=DELTA, log_dir=str(tmp_path))
-  pld = callbacks.PrivacyLogger(N, B, delta=DELTA, method="pld")
+  logger = callbacks.PrivacyLogger(N, B, delta=DELTA, log_dir=str(tmp_path), sampling="poisson")
+  pld = callbacks.PrivacyLogger(N, B, delta=DELTA, method="pld", sampling="poisson")
   # Both put `epsilon` into logs: the later one in the list wins.
   model, history = _fit(tfdp_variants.DPAdam(1.0, SIGMA, learning_rate=0.01), [pld, logger])
   want = [accounting.epsilon(SIGMA, Q, steps, DELTA) for steps in (4, 8)]
   assert pld.epsilon == pytest.approx(accounting.epsilon(SIGMA, Q, 8, DELTA, "pld"), rel=1e-12)
-  assert int(model.optimizer.iterations) == logger.ledger.steps == 8
+  assert int(model.optimizer.iterations) == logger.steps == logger.ledger.steps == 8
   np.testing.assert_allclose(history["epsilon"], want, rtol=1e-12)
   np.testing.assert_allclose(history["epsilon_nominal"], want, rtol=1e-12)
   assert logger.epsilon == logger.epsilon_nominal == pytest.approx(want[1], rel=1e-12)
   assert (f"epoch 2: certified ε = {want[1]:.4g}; nominal ε = {want[1]:.4g} "
-          "(RDP, δ=1e-05; guarantee: certified)") in capsys.readouterr().out
+          "(RDP, δ=1e-05; guarantee: certified; poisson sampling, add/remove one example)") in capsys.readouterr().out
   events = _events(str(tmp_path))
   for tag in ("epsilon", "epsilon_nominal"):
     assert [step for step, _ in events[tag]] == [0, 1]
     np.testing.assert_allclose([v for _, v in events[tag]], want, rtol=1e-6)
 
-  # The ledger is checkpointed and a new logger resumes from it.
-  path = tf.train.Checkpoint(ledger=logger.ledger, nominal=logger.nominal_ledger).save(
-      str(tmp_path / "ckpt"))
-  resumed = callbacks.PrivacyLogger(N, B, delta=DELTA)
-  tf.train.Checkpoint(ledger=resumed.ledger, nominal=resumed.nominal_ledger).restore(path)
-  assert resumed.ledger.entries == logger.ledger.entries
-  # Over a dataset of unknown size, Keras adds a phantom step to optimizer.iterations.
+  # The steps live in the optimizer: a new logger continues from them. Over a dataset of unknown
+  # size Keras adds a phantom step to optimizer.iterations; the optimizer's dp_steps does not.
+  resumed = callbacks.PrivacyLogger(N, B, delta=DELTA, sampling="poisson")
   unknown_size = tf.data.Dataset.from_tensor_slices(_data()).batch(B).filter(lambda *_: True)
   model.fit(unknown_size, epochs=1, verbose=0, callbacks=[resumed])
-  assert int(model.optimizer.iterations) == 13 and resumed.ledger.steps == 12
+  assert int(model.optimizer.iterations) == 13 and resumed.steps == 12
   assert resumed.epsilon == pytest.approx(accounting.epsilon(SIGMA, Q, 12, DELTA), rel=1e-12)
+
+
+def test_shuffled_batches_are_certified_without_amplification(capsys):
+  """Fit on arrays: one replace-one Gaussian (σ/2) per epoch certified; Poisson only nominal."""
+  logger = callbacks.PrivacyLogger(N, B, delta=DELTA)
+  _, history = _fit(tfdp_variants.DPSGD(1.0, SIGMA, learning_rate=0.1), [logger], epochs=3)
+  certified = [accounting.epsilon_of_event(dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(SIGMA / 2), epochs), DELTA) for epochs in (1, 2, 3)]
+  nominal = [accounting.epsilon(SIGMA, Q, 4 * epochs, DELTA) for epochs in (1, 2, 3)]
+  np.testing.assert_allclose(history["epsilon"], certified, rtol=1e-12)
+  np.testing.assert_allclose(history["epsilon_nominal"], nominal, rtol=1e-12)
+  assert certified[-1] > 2 * nominal[-1]
+  assert "shuffled batches, replace one example, no amplification" in (
+      capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("optimizer_cls,certified_sigma", [
@@ -97,7 +107,7 @@ def test_privacy_logger_dpadam(tmp_path, capsys):
     (tfdp_variants.TanhFilterAdam, SIGMA / math.sqrt(NUM_PARAMS)),  # Sensitivity c·√n, c = 1.
 ])
 def test_nominal_and_certified(optimizer_cls, certified_sigma, capsys):
-  logger = callbacks.PrivacyLogger(N, B, delta=DELTA)
+  logger = callbacks.PrivacyLogger(N, B, delta=DELTA, sampling="poisson")
   model, history = _fit(optimizer_cls(1.0, SIGMA, learning_rate=0.01), [logger])
   assert model.optimizer.privacy_guarantee == "none"
   nominal = accounting.epsilon(SIGMA, Q, 8, DELTA)
@@ -124,7 +134,7 @@ def _max_steps(target):
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_budget_stops_before_the_target(steps_per_execution, capsys):
   target = (accounting.epsilon(SIGMA, Q, 6, DELTA) + accounting.epsilon(SIGMA, Q, 7, DELTA)) / 2
-  budget = callbacks.PrivacyBudget(target, N, B, delta=DELTA)
+  budget = callbacks.PrivacyBudget(target, N, B, delta=DELTA, sampling="poisson")
   model, history = _fit(tfdp_variants.DPSGD(1.0, SIGMA, learning_rate=0.1), [budget], epochs=10,
                         steps_per_execution=steps_per_execution)
   steps = int(model.optimizer.iterations)
@@ -137,15 +147,15 @@ def test_budget_stops_before_the_target(steps_per_execution, capsys):
     assert 6 - steps_per_execution < steps <= 6
 
 
-def test_budget_with_an_event_known_once_built(capsys):
-  """Per-layer adaptive clipping: the event needs K, the number of variables (4), from build."""
+def test_budget_of_a_per_layer_algorithm_from_the_first_step(capsys):
+  """Per-layer adaptive clipping: its event needs K = 4 variables, known before any step."""
   event = dp_accounting.PoissonSampledDpEvent(Q, dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(sigma / 2) for sigma in (SIGMA, 2.5)]))  # σ/√K, σ_n/√K.
 
   def eps(steps):
     return accounting.epsilon_of_event(dp_accounting.SelfComposedDpEvent(event, steps), DELTA)
 
-  budget = callbacks.PrivacyBudget((eps(3) + eps(4)) / 2, N, B, delta=DELTA)
+  budget = callbacks.PrivacyBudget((eps(3) + eps(4)) / 2, N, B, delta=DELTA, sampling="poisson")
   model, _ = _fit(tfdp_variants.AdaptiveClipSGD(1.0, SIGMA, learning_rate=0.1), [budget],
                   epochs=5)
   assert int(model.optimizer.iterations) == budget.max_steps == 3
@@ -168,6 +178,10 @@ def test_errors():
     _fit(tf.keras.optimizers.SGD(), [callbacks.PrivacyLogger(N, B)])
   with pytest.raises(ValueError, match="batch_size <= num_examples"):
     callbacks.PrivacyLogger(10, 16)
+  with pytest.raises(ValueError, match="num_examples and batch_size"):
+    callbacks.PrivacyLogger()
+  with pytest.raises(ValueError, match="sampling must be one of"):
+    callbacks.PrivacyLogger(N, B, sampling="fixed")
   with pytest.raises(ValueError, match="method"):
     callbacks.PrivacyLogger(N, B, method="mma")
   with pytest.raises(ValueError, match="exactly one"):

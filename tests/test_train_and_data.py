@@ -42,11 +42,37 @@ def test_bad_datasets(tmp_path):
     data.load(f"npz:{tmp_path / 'bad.npz'}")
 
 
-def _train(tmp_path, *flags):
-  out = subprocess.run(
+def _npz(path, x_train, y_train, **overrides):
+  arrays = dict(x_train=x_train, y_train=y_train, x_test=x_train[:2], y_test=y_train[:2])
+  np.savez(path, **{**arrays, **overrides})
+  return f"npz:{path}"
+
+
+@pytest.mark.parametrize("x,y,match", [
+    (np.zeros((5, 784), np.uint8), np.zeros(5), r"\(5, 784\).*x.reshape\(-1, 28, 28\)"),
+    (np.zeros((5, 8, 8), np.uint8), np.zeros(4), "5 examples but y_train 4 labels"),
+    (np.zeros((5, 8, 8), np.uint8), np.eye(3)[[0, 1, 2, 0, 1]], r"one-hot.*argmax\(axis=1\)"),
+])
+def test_malformed_npz_is_refused_with_the_fix(tmp_path, x, y, match):
+  with pytest.raises(ValueError, match=match):
+    data.load(_npz(tmp_path / "bad.npz", x, y))
+
+
+def test_npz_labels_of_shape_n_by_1_are_class_ids(tmp_path):
+  y = np.array([[2], [0], [1]])
+  (_, y_train), _ = data.load(_npz(tmp_path / "ok.npz", np.zeros((3, 8, 8)), y))
+  assert y_train.tolist() == [2, 0, 1] and y_train.dtype == np.int32
+
+
+def _run(tmp_path, *flags):
+  return subprocess.run(
       [sys.executable, "-m", "tfdp_variants.train", f"--logdir={tmp_path}", *flags],
       capture_output=True, text=True, cwd=ROOT, timeout=600,
       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+def _train(tmp_path, *flags):
+  out = _run(tmp_path, *flags)
   assert out.returncode == 0, out.stderr[-3000:]
   with open(tmp_path / "summary.json") as f:
     return out.stdout, json.load(f)
@@ -61,17 +87,19 @@ def _event_tags(directory):
 
 
 def test_main_job_prints_accuracy_and_certified_epsilon(tmp_path):
-  """The README's command, shortened to 3 epochs."""
+  """The README's command, shortened to 3 epochs: Poisson batches, certified with amplification."""
   stdout, summary = _train(tmp_path, "--optimizer=adam", "--learning_rate=5e-3",
                            "--batch_size=64", "--epochs=3", "--noise_multiplier=1.0",
                            "--l2_norm_clip=1.0")
   assert "epoch 3: certified ε = " in stdout and "guarantee: certified" in stdout
+  assert "poisson sampling, add/remove one example)" in stdout
   final = stdout.strip().splitlines()[-1]
   assert final.startswith("Test accuracy") and "(certified: DPAdam" in final
   assert summary["test_accuracy"] > 0.25  # Three noisy epochs beat chance (0.1) by far.
-  want = accounting.epsilon(1.0, 64 / 1438, 3 * 23, 1e-5)
+  want = accounting.epsilon(1.0, 64 / 1438, 3 * 22, 1e-5)  # round(1438 / 64) = 22 steps an epoch.
   assert summary["epsilon"] == pytest.approx(want, rel=1e-6) == summary["epsilon_nominal"]
-  assert summary["steps"] == 69 and summary["privacy_guarantee"] == "certified"
+  assert summary["steps"] == 66 and summary["privacy_guarantee"] == "certified"
+  assert summary["sampling"] == "poisson" and summary["adjacency"] == "add/remove one example"
   assert {"epoch_loss", "epoch_accuracy", "epsilon", "epsilon_nominal"} <= _event_tags(tmp_path)
 
 
@@ -93,7 +121,7 @@ def test_algorithm_options_and_labels(tmp_path):
   _, ac = _train(tmp_path, "--algorithm=noisy_gradient", "--epochs=1", "--batch_size=100",
                  "--options=noise_sampling=direct,chunk_size=16")
   assert ac["privacy_guarantee"] == "none" and ac["epsilon"] is None
-  assert ac["epsilon_nominal"] == pytest.approx(accounting.epsilon(1.1, 100 / 1438, 15, 1e-5))
+  assert ac["epsilon_nominal"] == pytest.approx(accounting.epsilon(1.1, 100 / 1438, 14, 1e-5))
   assert ac["options"] == {"noise_sampling": "direct", "chunk_size": 16}
 
 
@@ -102,7 +130,29 @@ def test_calibration_uses_the_algorithms_own_event(tmp_path):
   _, summary = _train(tmp_path, "--algorithm=adaptive_clip", "--target_epsilon=3", "--epochs=1",
                       "--batch_size=100", "--options=norm_noise_multiplier=20.0")
   assert summary["epsilon"] == pytest.approx(3.0, abs=0.01)
-  assert summary["noise_multiplier"] > accounting.noise_multiplier_for(3.0, 100 / 1438, 15, 1e-5)
+  assert summary["noise_multiplier"] > accounting.noise_multiplier_for(3.0, 100 / 1438, 14, 1e-5)
+
+
+def test_shuffled_batches_are_certified_without_amplification(tmp_path):
+  stdout, summary = _train(tmp_path, "--sampling=shuffle", "--epochs=2", "--batch_size=100",
+                           "--noise_multiplier=2.0")
+  assert summary["sampling"] == "shuffle" and summary["adjacency"] == "replace one example"
+  assert summary["steps"] == 30  # ceil(1438 / 100) = 15 a pass.
+  assert summary["epsilon_nominal"] == pytest.approx(
+      accounting.epsilon(2.0, 100 / 1438, 30, 1e-5), rel=1e-6)
+  assert summary["epsilon"] == pytest.approx(accounting.epsilon(1.0, 1.0, 2, 1e-5), rel=1e-6)
+  assert "replace one example, no amplification" in stdout
+
+
+def test_binary_refuses_flat_npz_images_with_the_fix(tmp_path):
+  npz = _npz(tmp_path / "flat.npz", np.zeros((5, 784), np.uint8), np.zeros(5))
+  out = _run(tmp_path, f"--dataset={npz}", "--epochs=1")
+  assert out.returncode != 0 and "x.reshape(-1, 28, 28)" in out.stderr
+
+
+def test_poisson_with_microbatches_is_refused_up_front(tmp_path):
+  out = _run(tmp_path, "--num_microbatches=10", "--epochs=1")
+  assert out.returncode != 0 and "--sampling=shuffle" in out.stderr
 
 
 def test_bad_options_flag():

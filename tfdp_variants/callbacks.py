@@ -5,44 +5,47 @@ progress bar and any callback listed after them (e.g. `tf.keras.callbacks.Tensor
 given a `log_dir`, they also write them with `tf.summary` (one event per epoch, step = epoch), so
 TensorBoard shows them.
 
-- `PrivacyLogger`: certified and nominal ε after each epoch, from ledgers of the steps run.
+- `PrivacyLogger`: certified and nominal ε after each epoch, with the sampling they hold for.
 - `PrivacyBudget`: stops training before the next step would take ε past a target.
 - `TPVDCallback`: TPVD (Lin et al. 2020) against reference weights or a non-private twin.
 - `LayerNormLogger`: per-variable per-example gradient-norm histograms and the clip fraction.
 
-Accounting. Keras does not tell callbacks the batch size (`params` holds only epochs, steps and
-verbosity), so the privacy callbacks take it: every step is accounted as a Poisson sample of rate
-q = batch_size / num_examples, the sampling the RDP and PLD analyses assume (fixed-size shuffled
-batches are the usual stand-in). Steps are counted from fit's batch hooks (a call to
-its train function with `steps_per_execution > 1` runs several); fit's last, partial batch of an
-epoch is one step at the full q, an upper bound (ε grows with q).
+Accounting. The steps are the optimizer's own count of privatized steps (`dp_steps`, saved with
+its state), so ε survives a resume from a checkpoint, a `.keras` file or `BackupAndRestore`.
+Keras does not tell callbacks the batch size or how batches were drawn, so the privacy callbacks
+take them: `sampling="shuffle"` (the default: fit on arrays, a shuffled batched dataset) is
+certified without amplification, one replace-one Gaussian mechanism per epoch, with the
+Poisson-assumed number beside it as nominal; `sampling="poisson"` (or the `sampling` of
+`tfdp_variants.data.poisson_dataset`) is certified as a subsampled Gaussian at q = B/N
+(`tfdp_variants.sampling` says why).
 
-Example:
+Example (Poisson batches, the sampling whose amplification the certified ε uses):
   >>> import numpy as np, tensorflow as tf, tfdp_variants
-  >>> from tfdp_variants import callbacks
-  >>> tf.keras.utils.set_random_seed(0)
+  >>> from tfdp_variants import callbacks, data
   >>> x, y = np.random.default_rng(0).normal(size=(50, 4)).astype("float32"), np.arange(50) % 3
+  >>> dataset = data.poisson_dataset(x, y, sampling_probability=0.2, steps=5)
   >>> model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)])
-  >>> model.compile(optimizer=tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+  >>> model.compile(optimizer=tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+  ...                                             expected_batch_size=10),
   ...               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
   ...                                                                  reduction="none"))
-  >>> logger = callbacks.PrivacyLogger(num_examples=50, batch_size=10)
-  >>> budget = callbacks.PrivacyBudget(target_epsilon=4.5, num_examples=50, batch_size=10)
-  >>> tpvd = callbacks.TPVDCallback(twin_data=(x, y), batch_size=10)
-  >>> history = model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0,
-  ...                     callbacks=[logger, budget, tpvd])  # doctest: +NORMALIZE_WHITESPACE
-  epoch 1: certified ε = 3.839; nominal ε = 3.839 (RDP, δ=1e-05; guarantee: certified)
-  PrivacyBudget: stopped after step 7 at certified ε = 4.331 (RDP, δ=1e-05): step 8 would
-    reach ε = 4.508 > target 4.5.
-  epoch 2: certified ε = 4.331; nominal ε = 4.331 (RDP, δ=1e-05; guarantee: certified)
+  >>> logger = callbacks.PrivacyLogger(sampling=dataset.sampling)
+  >>> budget = callbacks.PrivacyBudget(target_epsilon=4.5, sampling=dataset.sampling)
+  >>> history = model.fit(dataset, epochs=3, verbose=0, callbacks=[logger, budget])
+  ... # doctest: +NORMALIZE_WHITESPACE
+  epoch 1: certified ε = 3.839; nominal ε = 3.839 (RDP, δ=1e-05; guarantee: certified;
+    poisson sampling, add/remove one example)
+  PrivacyBudget: stopped after step 7 at certified ε = 4.331 (RDP, δ=1e-05; poisson sampling,
+    add/remove one example): step 8 would reach ε = 4.508 > target 4.5.
+  epoch 2: certified ε = 4.331; nominal ε = 4.331 (RDP, δ=1e-05; guarantee: certified;
+    poisson sampling, add/remove one example)
   >>> sorted(history.history)
-  ['epsilon', 'epsilon_nominal', 'loss', 'tpvd']
+  ['epsilon', 'epsilon_nominal', 'loss']
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Union
 
 from absl import logging
@@ -53,6 +56,7 @@ import tensorflow as tf
 from tfdp_variants import accounting
 from tfdp_variants import metrics
 from tfdp_variants import per_example
+from tfdp_variants import sampling as sampling_lib
 from tfdp_variants.optimizers import DPOptimizerMixin
 
 ArrayLike = Union[np.ndarray, tf.Tensor]
@@ -85,28 +89,28 @@ class _Summaries:
 
 
 def _dp_optimizer(model: tf.keras.Model, who: str) -> DPOptimizerMixin:
+  """The model's DP optimizer, also when Keras wraps it (mixed precision's LossScaleOptimizer)."""
   optimizer = model.optimizer
+  inner = getattr(optimizer, "inner_optimizer", None)
+  if not isinstance(optimizer, DPOptimizerMixin) and isinstance(inner, DPOptimizerMixin):
+    optimizer = inner
   if not isinstance(optimizer, DPOptimizerMixin):
     raise TypeError(f"{who} needs a tfdp_variants DP optimizer (e.g. tfdp_variants.DPAdam), but "
                     f"the model is compiled with {type(optimizer).__name__}.")
   return optimizer
 
 
-def _epsilon_after(ledger: accounting.PrivacyLedger, event: dp_accounting.DpEvent, steps: int,
-                   delta: float, method: str) -> float:
-  """ε of the ledger's run followed by `steps` more steps of `event`."""
-  events = [ledger.dp_event()]
-  if steps:
-    events.append(dp_accounting.SelfComposedDpEvent(event, steps))
-  return accounting.epsilon_of_event(dp_accounting.ComposedDpEvent(events), delta, method)
-
-
-def _certified_epsilon(ledger: accounting.PrivacyLedger, delta: float,
-                       method: str) -> Optional[float]:
-  """The ledger's ε, or None when a step in it has no certified event."""
-  if any(isinstance(event, dp_accounting.NonPrivateDpEvent) for event, _ in ledger.entries):
-    return None
-  return ledger.epsilon(delta, method)
+def _ledger(event: Optional[dp_accounting.DpEvent], steps: int) -> accounting.PrivacyLedger:
+  """A ledger of a run's composed `event` (None: `steps` steps without a proven bound)."""
+  ledger = accounting.PrivacyLedger()
+  if event is None:
+    if steps:
+      ledger.record(dp_accounting.NonPrivateDpEvent(), steps)
+  elif isinstance(event, dp_accounting.SelfComposedDpEvent):
+    ledger.record(event.event, event.count)
+  elif not isinstance(event, dp_accounting.NoOpDpEvent):
+    ledger.record(event)
+  return ledger
 
 
 class _StepCounter(tf.keras.callbacks.Callback):
@@ -131,94 +135,96 @@ class _StepCounter(tf.keras.callbacks.Callback):
     raise NotImplementedError
 
 
-class _StepLedgers(_StepCounter):
-  """Records every training step's certified and nominal event into two ledgers.
+class _Accountant(tf.keras.callbacks.Callback):
+  """ε of the steps the model's DP optimizer has privatized, under the run's sampling.
 
-  The ledgers accumulate over `fit` calls; `tf.train.Checkpoint(ledger=cb.ledger)` saves one.
+  The step count is the optimizer's own `dp_steps`, counted in the graph that draws the noise and
+  saved with the optimizer, so a run resumed from a checkpoint, a `.keras` file or
+  `BackupAndRestore`, or trained partly without this callback, is accounted in full.
 
   Attributes:
-    ledger: the certified events (`optimizer.step_event(q)`); a step with no certified event is
-      recorded as `dp_accounting.NonPrivateDpEvent` (no bound: ε = ∞).
-    nominal_ledger: the events the algorithm's paper accounts (`optimizer.nominal_step_event(q)`).
+    sampling: the `tfdp_variants.sampling.Sampling` the run is accounted under.
+    steps: the optimizer's privatized steps when last read.
+    ledger, nominal_ledger: `PrivacyLedger`s of the certified and nominal events of those steps
+      (a step without a certified event is `NonPrivateDpEvent`).
   """
 
-  def __init__(self, num_examples: int, batch_size: int, delta: float, method: str):
+  def __init__(self, num_examples: Optional[int], batch_size: Optional[float], delta: float,
+               method: str, sampling: sampling_lib.SamplingLike):
     super().__init__()
-    if not (isinstance(num_examples, numbers.Integral) and isinstance(batch_size, numbers.Real)
-            and 0 < batch_size <= num_examples):
-      raise ValueError(f"Need 0 < batch_size <= num_examples (an integer), got batch_size="
-                       f"{batch_size!r}, num_examples={num_examples!r}: the batch size passed to "
-                       "fit (the expected one for Poisson sampling) and the training set's size.")
+    self.sampling = sampling_lib.resolve(sampling, num_examples, batch_size)
     accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, method)  # Checks δ, method.
-    self.num_examples = num_examples
-    self.batch_size = batch_size
-    self.sampling_probability = batch_size / num_examples
     self.delta = delta
     self.method = method
-    self.ledger = accounting.PrivacyLedger()
-    self.nominal_ledger = accounting.PrivacyLedger()
-    self._events: Optional[tuple[dp_accounting.DpEvent, dp_accounting.DpEvent]] = None
+    self.steps = 0
+    self._optimizer: Optional[DPOptimizerMixin] = None
 
   def on_train_begin(self, logs=None):
-    _dp_optimizer(self.model, type(self).__name__)
-    self._events = None
+    self._optimizer = _dp_optimizer(self.model, type(self).__name__)
     steps = self.params.get("steps")
-    per_epoch = self.num_examples / self.batch_size  # Fixed batches: ceil; Poisson: round(1/q).
-    if steps is not None and steps not in (math.ceil(per_epoch), round(per_epoch)):
-      logging.warning("%s: fit runs %d steps per epoch, but %d examples in batches of %g take "
-                      "%d: check that num_examples and batch_size are those given to fit.",
-                      type(self).__name__, steps, self.num_examples, self.batch_size,
-                      math.ceil(per_epoch))
+    if steps is not None and steps not in (self.sampling.steps_per_epoch,
+                                           math.ceil(1 / self.sampling.sampling_probability)):
+      logging.warning("%s: fit runs %d steps per epoch, but %s of %d examples in batches of %g "
+                      "take %d: check that the sampling, num_examples and batch_size are those "
+                      "of fit.", type(self).__name__, steps, self.sampling.kind,
+                      self.sampling.num_examples, self.sampling.batch_size,
+                      self.sampling.steps_per_epoch)
+    self._read_steps()
 
-  def _step_events(self) -> tuple[dp_accounting.DpEvent, dp_accounting.DpEvent]:
-    """(certified, nominal) events of one step; once per fit, since accounting many is slow."""
-    if self._events is None:
-      optimizer = self.model.optimizer
-      certified = optimizer.step_event(self.sampling_probability)
-      self._events = (dp_accounting.NonPrivateDpEvent() if certified is None else certified,
-                      optimizer.nominal_step_event(self.sampling_probability))
-    return self._events
+  def _read_steps(self) -> int:
+    counter = getattr(self._optimizer, "dp_steps", None)
+    self.steps = 0 if counter is None else int(counter.numpy())
+    return self.steps
 
-  def _on_steps(self, steps: int) -> None:
-    certified, nominal = self._step_events()  # Per-layer algorithms know theirs once built.
-    self.ledger.record(certified, steps)
-    self.nominal_ledger.record(nominal, steps)
+  def _events(self, steps: int):
+    return sampling_lib.training_events(self._optimizer, self.sampling, steps,
+                                        self.model.trainable_variables)
+
+  def _epsilons(self, steps: int) -> tuple[Optional[float], float]:
+    return sampling_lib.epsilons(self._optimizer, self.sampling, steps, self.delta, self.method,
+                                 self.model.trainable_variables)
+
+  @property
+  def ledger(self) -> accounting.PrivacyLedger:
+    return _ledger(self._events(self.steps)[0], self.steps)
+
+  @property
+  def nominal_ledger(self) -> accounting.PrivacyLedger:
+    return _ledger(self._events(self.steps)[1], self.steps)
 
 
-class PrivacyLogger(_StepLedgers):
-  """Certified and nominal ε after every epoch, printed with the optimizer's guarantee label.
+class PrivacyLogger(_Accountant):
+  """Certified and nominal ε after every epoch, printed with the guarantee label and the sampling.
 
   Puts `epsilon` (certified; left out when a step has no certified event) and `epsilon_nominal`
-  (what the algorithm's paper accounts) into `logs` and, with `log_dir`, into TensorBoard.
+  (Poisson-assumed, at the sensitivity the algorithm's paper uses) into `logs` and, with
+  `log_dir`, into TensorBoard.
 
   Args:
     num_examples: N, the size of the training set.
-    batch_size: B, the batch size given to fit (for Poisson sampling, e.g.
-      `tfdp_variants.data.poisson_dataset`, the expected one q·N); each step is accounted at
-      q = B / N.
+    batch_size: B, the batch size given to fit (for Poisson sampling, the expected one q·N).
     delta: δ of the reported ε.
     log_dir: where tf.summary writes the scalars `epsilon` and `epsilon_nominal`; None: nowhere.
     method: "rdp" or "pld" (`tfdp_variants.accounting`).
+    sampling: "shuffle" (fit on arrays, a shuffled batched dataset: the default), "poisson", or
+      the `Sampling` of `tfdp_variants.data.poisson_dataset(...)` (then N and B may be left out).
 
   Attributes:
     epsilon: the last epoch's certified ε; None when a step had no certified event.
     epsilon_nominal: the last epoch's nominal ε.
-    ledger, nominal_ledger: the recorded steps (see `_StepLedgers`).
+    sampling, steps, ledger, nominal_ledger: see `_Accountant`.
   """
 
-  def __init__(self, num_examples: int, batch_size: int, delta: float = 1e-5,
-               log_dir: Optional[str] = None, method: str = "rdp"):
-    super().__init__(num_examples, batch_size, delta, method)
+  def __init__(self, num_examples: Optional[int] = None, batch_size: Optional[float] = None,
+               delta: float = 1e-5, log_dir: Optional[str] = None, method: str = "rdp",
+               sampling: sampling_lib.SamplingLike = "shuffle"):
+    super().__init__(num_examples, batch_size, delta, method, sampling)
     self._summaries = _Summaries(log_dir)
     self.epsilon: Optional[float] = None
     self.epsilon_nominal: Optional[float] = None
 
   def on_epoch_end(self, epoch, logs=None):
-    self.epsilon = _certified_epsilon(self.ledger, self.delta, self.method)
-    if self.ledger.entries == self.nominal_ledger.entries:
-      self.epsilon_nominal = self.epsilon
-    else:
-      self.epsilon_nominal = self.nominal_ledger.epsilon(self.delta, self.method)
+    self.epsilon, self.epsilon_nominal = self._epsilons(self._read_steps())
     values = {"epsilon_nominal": self.epsilon_nominal}
     if self.epsilon is not None:
       values["epsilon"] = self.epsilon
@@ -229,32 +235,30 @@ class PrivacyLogger(_StepLedgers):
                  f"certified ε = {self.epsilon:.4g}")
     print(f"epoch {epoch + 1}: {certified}; nominal ε = {self.epsilon_nominal:.4g} "
           f"({self.method.upper()}, δ={self.delta:g}; guarantee: "
-          f"{self.model.optimizer.privacy_guarantee})", flush=True)
+          f"{self._optimizer.privacy_guarantee}; {self.sampling.describe()})", flush=True)
 
   def on_train_end(self, logs=None):
     self._summaries.close()
 
 
-class PrivacyBudget(_StepLedgers):
+class PrivacyBudget(_Accountant):
   """Stops training (`model.stop_training`) before the next step would take ε past a target.
 
-  After every step it checks whether the steps of the next `train_function` call
+  After every call to fit's train function it checks whether the steps of the next call
   (`model.steps_per_execution`, read at train begin: fit runs fewer only at an epoch's end) would
   make ε exceed `target_epsilon`; if so it stops and prints why. The largest affordable step
-  count is computed once per fit by a search over step counts: 0.5 s with RDP for 18,000 steps
-  of MNIST-scale DP-SGD, 17 s with PLD (about a second per probe).
+  count is found once per fit by a search over step counts: 0.5 s with RDP for 18,000 steps of
+  MNIST-scale DP-SGD, 17 s with PLD (about a second per probe).
 
   Args:
     target_epsilon: the ε training must not exceed.
-    num_examples, batch_size, delta, method: as for `PrivacyLogger`.
+    num_examples, batch_size, delta, method, sampling: as for `PrivacyLogger`.
     nominal: budget the nominal ε (the paper's accounting, not a guarantee). Needed for
       optimizers whose `privacy_guarantee` is not "certified"; otherwise fit raises ValueError.
 
   Attributes:
-    max_steps: the total number of steps the budget allows (None until the step's event is known:
-      before the first step, or after it for per-layer algorithms, whose event needs the built
-      optimizer).
-    ledger, nominal_ledger: the recorded steps; restore the budgeted one to resume a run.
+    max_steps: the total number of privatized steps the budget allows.
+    sampling, steps, ledger, nominal_ledger: see `_Accountant`.
 
   Raises (from fit):
     ValueError: at train begin, for a certified budget on an optimizer without a certified
@@ -262,9 +266,10 @@ class PrivacyBudget(_StepLedgers):
       runs from another thread), or when the budget cannot afford the next steps at all.
   """
 
-  def __init__(self, target_epsilon: float, num_examples: int, batch_size: int,
-               delta: float = 1e-5, method: str = "rdp", nominal: bool = False):
-    super().__init__(num_examples, batch_size, delta, method)
+  def __init__(self, target_epsilon: float, num_examples: Optional[int] = None,
+               batch_size: Optional[float] = None, delta: float = 1e-5, method: str = "rdp",
+               nominal: bool = False, sampling: sampling_lib.SamplingLike = "shuffle"):
+    super().__init__(num_examples, batch_size, delta, method, sampling)
     if not target_epsilon > 0:
       raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}.")
     self.target_epsilon = float(target_epsilon)
@@ -276,69 +281,50 @@ class PrivacyBudget(_StepLedgers):
   def _kind(self) -> str:
     return "nominal" if self.nominal else "certified"
 
-  def _budget(self) -> tuple[accounting.PrivacyLedger, dp_accounting.DpEvent]:
-    certified, nominal = self._step_events()
-    return (self.nominal_ledger, nominal) if self.nominal else (self.ledger, certified)
+  def _budgeted_epsilon(self, steps: int) -> float:
+    certified, nominal = self._epsilons(steps)
+    return nominal if self.nominal else certified
 
-  def _set_max_steps(self) -> None:
-    ledger, event = self._budget()
-
-    def affordable(steps: int) -> bool:
-      return _epsilon_after(ledger, event, steps, self.delta, self.method) <= self.target_epsilon
-
-    # Exponential then binary search for the largest affordable number of further steps.
+  def _max_steps(self) -> int:
+    """The largest total step count whose ε is within the target (ε grows with the steps)."""
+    affordable = lambda steps: self._budgeted_epsilon(steps) <= self.target_epsilon
     low, high = 0, 1
     while affordable(high):
       low, high = high, 2 * high
     while high - low > 1:
       middle = (low + high) // 2
       low, high = (middle, high) if affordable(middle) else (low, middle)
-    self.max_steps = ledger.steps + low
+    return low
 
   def on_train_begin(self, logs=None):
     super().on_train_begin(logs)
-    optimizer = self.model.optimizer
-    if not self.nominal and optimizer.privacy_guarantee != "certified":
+    if not self.nominal and self._optimizer.privacy_guarantee != "certified":
       raise ValueError(
-          f"PrivacyBudget needs a certified ε, but {type(optimizer).__name__} has "
-          f"privacy_guarantee={optimizer.privacy_guarantee!r}: its ε is no proven bound. Use the "
-          "algorithm's certified mode, or pass nominal=True to stop at the ε the paper accounts "
-          "(not a guarantee).")
+          f"PrivacyBudget needs a certified ε, but {type(self._optimizer).__name__} has "
+          f"privacy_guarantee={self._optimizer.privacy_guarantee!r}: its ε is no proven bound. "
+          "Use the algorithm's certified mode (and unseeded noise), or pass nominal=True to stop "
+          "at the ε the paper accounts (not a guarantee).")
     if self.model.autotune_steps_per_execution:
       raise ValueError("PrivacyBudget needs a fixed steps_per_execution to stop in time; compile "
                        "with an integer instead of steps_per_execution='auto'.")
     self._steps_ahead = int(self.model.steps_per_execution.numpy())
-    self.max_steps = None
-    try:
-      self._set_max_steps()
-    except ValueError:  # The event needs the built optimizer (per-layer algorithms): after step 1.
-      return
-    ledger, _ = self._budget()
-    if ledger.steps + self._steps_ahead > self.max_steps:
+    self.max_steps = self._max_steps()
+    if self.steps + self._steps_ahead > self.max_steps:
       raise ValueError(
           f"PrivacyBudget: the {self._kind} ε target {self.target_epsilon:g} allows "
-          f"{self.max_steps} steps and {ledger.steps} have run: the budget cannot afford the next "
+          f"{self.max_steps} steps and {self.steps} have run: the budget cannot afford the next "
           f"{self._steps_ahead}. Raise target_epsilon or the noise multiplier.")
 
-  def _on_steps(self, steps: int) -> None:
-    super()._on_steps(steps)
-    if self.max_steps is None:
-      self._set_max_steps()
-    ledger, event = self._budget()
-    ahead = self._steps_ahead
-    if ledger.steps + ahead <= self.max_steps:
+  def on_train_batch_end(self, batch, logs=None):
+    steps, ahead = self._read_steps(), self._steps_ahead
+    if steps + ahead <= self.max_steps:
       return
     self.model.stop_training = True
-    now = _epsilon_after(ledger, event, 0, self.delta, self.method)
-    if now > self.target_epsilon:  # Only when the event was unknown before the first step.
-      why = (f"ε is past the target {self.target_epsilon:g} already: "
-             f"{type(self.model.optimizer).__name__} states its step's event only once built")
-    else:
-      after = _epsilon_after(ledger, event, ahead, self.delta, self.method)
-      why = (f"step {ledger.steps + ahead} would reach ε = {after:.4g} > target "
-             f"{self.target_epsilon:g}")
-    print(f"PrivacyBudget: stopped after step {ledger.steps} at {self._kind} ε = {now:.4g} "
-          f"({self.method.upper()}, δ={self.delta:g}): {why}.", flush=True)
+    after = self._budgeted_epsilon(steps + ahead)
+    print(f"PrivacyBudget: stopped after step {steps} at {self._kind} ε = "
+          f"{self._budgeted_epsilon(steps):.4g} ({self.method.upper()}, δ={self.delta:g}; "
+          f"{self.sampling.describe()}): step {steps + ahead} would reach ε = {after:.4g} > "
+          f"target {self.target_epsilon:g}.", flush=True)
 
 
 def _base_optimizer(optimizer: DPOptimizerMixin) -> tf.keras.optimizers.Optimizer:
@@ -532,7 +518,7 @@ class LayerNormLogger(tf.keras.callbacks.Callback):
     self.norms = {_tag(v): n for v, n in zip(self.model.trainable_variables, norms)}
     self.norms["grad_norm/global"] = np.sqrt(np.sum(np.square(norms), axis=0))
     self.clip_fraction = float(np.mean(
-        self.norms["grad_norm/global"] > self.model.optimizer.l2_norm_clip))
+        self.norms["grad_norm/global"] > _dp_optimizer(self.model, "LayerNormLogger").l2_norm_clip))
     if logs is not None:
       logs["clip_fraction"] = self.clip_fraction
     self._summaries.write(epoch, {"clip_fraction": self.clip_fraction}, self.norms)

@@ -16,11 +16,13 @@ Preprocessing (`PREPROCESSING`), applied to any source:
   vanderveen2018  Zhang et al. 2017 (Appendix A), the small AlexNet's input: a centred 28×28 crop,
                   then per-image standardization (zero mean, unit variance).
 
-Training batches: `fit` on a shuffled dataset draws fixed-size batches; the RDP analysis of DP-SGD
-assumes Poisson sampling, each example in each step's batch independently with probability q.
-`poisson_batches` and `poisson_dataset` sample that way, so batch sizes vary (Binomial(N, q), mean
-q·N, possibly 0). Train on them with num_microbatches=None: a batch split into microbatches must
-divide evenly, which a random size does not.
+Training batches: `fit` on a shuffled dataset draws fixed-size batches, which no amplification
+result covers (`tfdp_variants.sampling`); the subsampled-Gaussian analysis of DP-SGD needs Poisson
+sampling, each example in each step's batch independently with probability q, decided in secret.
+`poisson_batches` and `poisson_dataset` sample that way, from a generator seeded from OS entropy, so
+batch sizes vary (Binomial(N, q), mean q·N, possibly 0). Train on them with num_microbatches=None
+(a batch split into microbatches must divide evenly, which a random size does not) and
+`expected_batch_size=q·N` in the optimizer; give the dataset's `sampling` to the privacy callbacks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from tfdp_variants import sampling
 
 Split = tuple[np.ndarray, np.ndarray]
 
@@ -98,6 +102,30 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split
   return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
 
 
+def _labels(y: np.ndarray, path: str, split: str) -> np.ndarray:
+  """Integer class ids of shape (N,); (N, 1) is flattened, one-hot labels are refused."""
+  if y.ndim == 2 and y.shape[1] == 1:
+    y = y[:, 0]
+  if y.ndim != 1:
+    raise ValueError(f"{path}: y_{split} has shape {y.shape}, but labels must be integer class "
+                     "ids of shape (N,) (the losses are sparse categorical). For one-hot labels "
+                     "save y.argmax(axis=1).")
+  return y.astype(np.int32)
+
+
+def _check_images(x: np.ndarray, y: np.ndarray, path: str, split: str) -> None:
+  """Raises ValueError, naming the fix, unless `x` holds images and `y` one label for each."""
+  if x.ndim not in (3, 4):
+    side = int(round(np.sqrt(x.shape[-1]))) if x.ndim == 2 else 0
+    hint = (f" (flat images? reshape them, e.g. x.reshape(-1, {side}, {side}))"
+            if x.ndim == 2 and side * side == x.shape[-1] else "")
+    raise ValueError(f"{path}: x_{split} has shape {x.shape}, but images must be (N, H, W) or "
+                     f"(N, H, W, C){hint}. Save the images with their height and width axes.")
+  if len(x) != len(y):
+    raise ValueError(f"{path}: x_{split} holds {len(x)} examples but y_{split} {len(y)} labels; "
+                     "save one label per image.")
+
+
 def load_npz(path: str) -> tuple[Split, Split]:
   """Arrays `x_train y_train x_test y_test` from a local .npz file; uint8 images scaled to [0, 1]."""
   with np.load(path) as f:
@@ -106,8 +134,12 @@ def load_npz(path: str) -> tuple[Split, Split]:
       raise ValueError(f"{path} lacks the arrays {sorted(missing)}; an npz dataset needs "
                        "x_train, y_train, x_test and y_test.")
     scale = 255.0 if f["x_train"].dtype == np.uint8 else 1.0
-    return ((_images(f["x_train"], scale), f["y_train"].astype(np.int32)),
-            (_images(f["x_test"], scale), f["y_test"].astype(np.int32)))
+    splits = []
+    for split in ("train", "test"):
+      x, y = f[f"x_{split}"], f[f"y_{split}"]
+      _check_images(x, y, path, split)
+      splits.append((_images(x, scale), _labels(y, path, split)))
+    return splits[0], splits[1]
 
 
 def load_tfds(name: str, data_dir: Optional[str] = None,
@@ -158,13 +190,17 @@ def load(name: str, preprocessing: str = "default", *, data_dir: Optional[str] =
 
 
 def poisson_batches(x: np.ndarray, y: np.ndarray, sampling_probability: float, steps: int,
-                    seed: int | Sequence[int] = 0) -> Iterator[Split]:
+                    seed: Optional[int | Sequence[int]] = None) -> Iterator[Split]:
   """`steps` batches of Poisson sampling: each example in each batch independently w.p. q.
 
   The sampling the RDP/PLD analysis of DP-SGD assumes (Abadi et al. 2016 §3.1; Mironov et al.
   2019), with q = `sampling_probability` and N = len(x): batch sizes are Binomial(N, q), of mean
   q·N, and empty with probability (1 − q)^N. Examples keep their order within a batch. Train with
   num_microbatches=None.
+
+  The masks come from NumPy's generator seeded from OS entropy (`secrets`), so no one can
+  reproduce them; amplification by sampling rests on that. A `seed` makes them reproducible, for
+  debugging only: such a sample is no secret and is accounted without amplification.
   """
   if not 0 < sampling_probability <= 1:
     raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}.")
@@ -176,16 +212,31 @@ def poisson_batches(x: np.ndarray, y: np.ndarray, sampling_probability: float, s
 
 
 def poisson_dataset(x: np.ndarray, y: np.ndarray, sampling_probability: float, steps: int,
-                    seed: int = 0) -> tf.data.Dataset:
+                    seed: Optional[int] = None) -> tf.data.Dataset:
   """`poisson_batches` as a tf.data.Dataset of `steps` variable-size batches, for `model.fit`.
 
-  Each pass over the dataset (each epoch of `fit(dataset, epochs=E)`) draws new batches, from
-  seed (`seed`, pass number), so a run is reproducible. `steps` = round(1/q) makes an epoch one
-  expected pass over the data. Use num_microbatches=None in the optimizer.
+  Each pass over the dataset (each epoch of `fit(dataset, epochs=E)`) draws new batches. `steps` =
+  round(1/q) makes an epoch one expected pass over the data. Use num_microbatches=None and
+  `expected_batch_size=dataset.sampling.batch_size` in the optimizer, and give
+  `sampling=dataset.sampling` to the privacy callbacks. `seed` (debugging only) makes the passes
+  reproducible, from (seed, pass number), and the sample no secret.
+
+  Example:
+    >>> import numpy as np
+    >>> x, y = np.zeros((100, 3), np.float32), np.zeros(100, np.int32)
+    >>> dataset = poisson_dataset(x, y, 0.1, steps=10)
+    >>> dataset.sampling
+    Sampling(kind='poisson', num_examples=100, batch_size=10.0, secret=True)
   """
   passes = itertools.count()
-  return tf.data.Dataset.from_generator(
-      lambda: poisson_batches(x, y, sampling_probability, steps, (seed, next(passes))),
+  pass_seed = lambda: None if seed is None else (seed, next(passes))
+  # The length is asserted: over a dataset of unknown size Keras makes one more train call in the
+  # first epoch, which finds no batch but still advances the optimizer's step counters (dp_steps).
+  dataset = tf.data.Dataset.from_generator(
+      lambda: poisson_batches(x, y, sampling_probability, steps, pass_seed()),
       output_signature=(tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
                         tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)))
-  ).prefetch(tf.data.AUTOTUNE)
+  ).apply(tf.data.experimental.assert_cardinality(steps)).prefetch(tf.data.AUTOTUNE)
+  dataset.sampling = sampling.Sampling("poisson", len(x), sampling_probability * len(x),
+                                       secret=seed is None)
+  return dataset

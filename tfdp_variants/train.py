@@ -6,11 +6,16 @@ r"""Train any algorithm on any model and dataset; report accuracy and ε with it
       --dataset=mnist --model=lin2020_cnn --optimizer=adam --learning_rate=1e-3
 
 Each epoch prints Keras' progress and the certified and nominal ε with the optimizer's guarantee
-label; TensorBoard logs and a final `summary.json` go to --logdir. ε is accounted by RDP (or
---accounting=pld) for Poisson sampling at q = batch_size / N, the analysis DP-SGD results are
-reported under; without --poisson, fit's shuffled fixed-size batches stand in for it, as usual.
-With --target_epsilon, σ is calibrated to the algorithm's own step event (e.g. with the norm query
-of adaptive clipping), or to its nominal event when it has no certified one (said so).
+label and the sampling; TensorBoard logs and a final `summary.json` go to --logdir. ε is accounted
+by RDP (or --accounting=pld). Batches are Poisson-sampled by default (--sampling=poisson: each
+example in each step with probability q = batch_size / N, decided in secret, the update divided by
+the expected batch size): the subsampled-Gaussian ε is certified, for add/remove adjacency. With
+--sampling=shuffle (fixed-size shuffled batches), the certified ε has no amplification (one
+replace-one Gaussian mechanism per epoch) and the Poisson-assumed number is only nominal
+(`tfdp_variants.sampling`). DP noise and Poisson masks come from OS entropy, never from --seed.
+With --target_epsilon, σ is calibrated to the certified ε of the algorithm's own step under the
+chosen sampling (e.g. with the norm query of adaptive clipping), or to its nominal ε when it has no
+certified one (said so).
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import math
 import os
 import sys
 import time
@@ -28,11 +32,11 @@ from absl import flags
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import algorithms
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import models
+from tfdp_variants import sampling as sampling_lib
 
 _BASES = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam,
           "rmsprop": tf.keras.optimizers.RMSprop, "adagrad": tf.keras.optimizers.Adagrad}
@@ -71,11 +75,15 @@ _MICRO = flags.DEFINE_integer("num_microbatches", None, "Microbatches per batch;
 _TARGET = flags.DEFINE_float("target_epsilon", None, "Calibrate σ so training ends at this ε.")
 _DELTA = flags.DEFINE_float("delta", 1e-5, "δ of the (ε, δ) guarantee.")
 _ACCOUNTING = flags.DEFINE_enum("accounting", "rdp", ["rdp", "pld"], "Privacy accountant.")
-_POISSON = flags.DEFINE_bool("poisson", False, "Poisson-sample batches (what the accounting "
-                             "assumes); needs num_microbatches unset.")
+_SAMPLING = flags.DEFINE_enum("sampling", "poisson", list(sampling_lib.KINDS),
+                              "poisson: each example in each step with probability batch_size/N, "
+                              "secret (certified with amplification; needs num_microbatches unset); "
+                              "shuffle: fixed-size shuffled batches (certified without "
+                              "amplification, Poisson-assumed ε only nominal).")
 _LOGDIR = flags.DEFINE_string("logdir", None, "TensorBoard logs and summary.json; default "
                               "runs/<algorithm>-<time>.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed for initialisation, batches and noise.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for initialisation and the order of shuffled batches; "
+                             "DP noise and Poisson masks are never seeded.")
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -101,12 +109,18 @@ def model_name(flag: str, input_shape: tuple[int, ...]) -> str:
 def main(argv):
   del argv
   started = time.time()
-  tf.keras.utils.set_random_seed(_SEED.value)
+  poisson = _SAMPLING.value == "poisson"
+  if poisson and _MICRO.value is not None:
+    raise app.UsageError("--sampling=poisson draws batches of random size, which cannot be split "
+                         "into --num_microbatches equal parts: leave --num_microbatches unset (one "
+                         "per example), or use --sampling=shuffle.")
+  tf.keras.utils.set_random_seed(_SEED.value)  # Initialisation and shuffling; not the DP noise.
   (x_train, y_train), (x_test, y_test) = data.load(_DATASET.value, _PREPROCESSING.value)
   n, batch = len(y_train), _BATCH.value
-  q = batch / n
+  sampling = sampling_lib.Sampling(_SAMPLING.value, n, batch)
+  q = sampling.sampling_probability
   drop = _MICRO.value is not None and n % batch != 0  # A partial batch could not be split.
-  steps_per_epoch = n // batch if drop else math.ceil(n / batch)
+  steps_per_epoch = n // batch if drop else sampling.steps_per_epoch
   total_steps = steps_per_epoch * _EPOCHS.value
   options = parse_options(_OPTIONS.value)
   if _ALGORITHM.value == "layered_clip" and not {"beta", "total_steps"} & set(options):
@@ -118,35 +132,32 @@ def main(argv):
   optimizer_cls = tfdp_variants.make_dp_optimizer_class(_BASES[_OPTIMIZER.value],
                                                         _ALGORITHM.value)
 
+  def optimizer_at(sigma: float):
+    return optimizer_cls(l2_norm_clip=_CLIP.value, noise_multiplier=sigma,
+                         num_microbatches=_MICRO.value, learning_rate=_LR.value,
+                         expected_batch_size=batch if poisson else None, **options)
+
   sigma = _SIGMA.value
   if _TARGET.value is not None:
-    def algorithm_at(s: float) -> algorithms.Algorithm:
-      algorithm = optimizer_cls.algorithm_cls(_CLIP.value, s, **options)
-      algorithm.build(model.trainable_variables, lambda _, value: tf.Variable(value))
-      return algorithm
-
-    def step_event_for(s: float):
-      algorithm = algorithm_at(s)
-      return algorithm.step_event(q) or algorithm.nominal_step_event(q)
-
-    sigma = accounting.noise_multiplier_for(_TARGET.value, q, total_steps, _DELTA.value,
-                                            _ACCOUNTING.value, step_event_for)
-    kind = ("certified" if algorithm_at(sigma).step_event(q) is not None else
-            "nominal (this algorithm has no certified ε)")
+    nominal = optimizer_at(1.0).privacy_guarantee != "certified"
+    sigma = sampling_lib.noise_multiplier_for(_TARGET.value, sampling, total_steps, _DELTA.value,
+                                              optimizer_at, _ACCOUNTING.value,
+                                              model.trainable_variables, nominal=nominal)
+    kind = "nominal (this algorithm has no certified ε)" if nominal else "certified"
     print(f"Calibrated noise_multiplier σ = {sigma:.4f} for {kind} ε = {_TARGET.value} after "
-          f"{total_steps} steps (q = {q:.4f}, δ = {_DELTA.value}).", flush=True)
+          f"{total_steps} steps ({sampling.describe()}, q = {q:.4f}, δ = {_DELTA.value}).",
+          flush=True)
 
-  optimizer = optimizer_cls(l2_norm_clip=_CLIP.value, noise_multiplier=sigma,
-                            num_microbatches=_MICRO.value, learning_rate=_LR.value, **options)
+  optimizer = optimizer_at(sigma)
   model.compile(optimizer=optimizer, metrics=["accuracy"],
                 loss=tf.keras.losses.SparseCategoricalCrossentropy(
                     from_logits=models.outputs_logits(name), reduction="none"))
 
   logdir = _LOGDIR.value or os.path.join("runs", f"{_ALGORITHM.value}-{time.strftime('%Y%m%d-%H%M%S')}")
-  logger = callbacks.PrivacyLogger(n, batch, _DELTA.value, log_dir=os.path.join(logdir, "privacy"),
-                                   method=_ACCOUNTING.value)
-  if _POISSON.value:
-    train = data.poisson_dataset(x_train, y_train, q, steps_per_epoch, seed=_SEED.value)
+  logger = callbacks.PrivacyLogger(delta=_DELTA.value, log_dir=os.path.join(logdir, "privacy"),
+                                   method=_ACCOUNTING.value, sampling=sampling)
+  if poisson:
+    train = data.poisson_dataset(x_train, y_train, q, steps_per_epoch)
   else:
     train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
         n, seed=_SEED.value).batch(batch, drop_remainder=drop)
@@ -158,22 +169,24 @@ def main(argv):
       "test_accuracy": float(accuracy),
       "epsilon": logger.epsilon, "epsilon_nominal": logger.epsilon_nominal,
       "privacy_guarantee": optimizer.privacy_guarantee, "delta": _DELTA.value,
-      "noise_multiplier": sigma, "steps": logger.ledger.steps,
+      "sampling": sampling.kind, "adjacency": sampling.adjacency,
+      "noise_multiplier": sigma, "steps": logger.steps,
       "accounting": _ACCOUNTING.value, "sampling_probability": q,
       "train_accuracy": float(history.history["accuracy"][-1]),
       "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
       "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
       "learning_rate": _LR.value, "l2_norm_clip": _CLIP.value,
-      "num_microbatches": _MICRO.value, "poisson": _POISSON.value,
-      "wall_seconds": round(time.time() - started, 1),
+      "num_microbatches": _MICRO.value, "wall_seconds": round(time.time() - started, 1),
   }
   with open(os.path.join(logdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
-  certified = "no certified ε" if logger.epsilon is None else f"ε = {logger.epsilon:.3f}"
+  certified = ("no certified ε" if logger.epsilon is None else
+               f"certified ε = {logger.epsilon:.3f}")
   print(f"\nTest accuracy {accuracy:.4f} on {len(y_test)} examples; {certified} at δ = "
         f"{_DELTA.value} ({optimizer.privacy_guarantee}: {type(optimizer).__name__}, σ = "
-        f"{sigma:.3f}, C = {_CLIP.value}, q = {q:.4f}, {summary['steps']} steps; nominal ε = "
-        f"{logger.epsilon_nominal:.3f}). Logs and summary.json in {logdir}.")
+        f"{sigma:.3f}, C = {_CLIP.value}, {sampling.describe()}, q = {q:.4f}, "
+        f"{summary['steps']} steps; nominal ε = {logger.epsilon_nominal:.3f}). Logs and "
+        f"summary.json in {logdir}.")
 
 
 if __name__ == "__main__":
