@@ -1,4 +1,9 @@
-"""Each tutorial runs at --smoke scale and writes its plots and results.json (CI runs them all)."""
+"""Each tutorial runs at --smoke scale and writes its plots and results.json (CI runs them all).
+
+Every ε a tutorial writes states its sampling: Poisson (secret batches, certified with
+amplification) for the headline runs, shuffled batches (certified without amplification, the
+Poisson-assumed number nominal) where two models must see the same batches.
+"""
 
 import json
 import os
@@ -33,15 +38,20 @@ def test_lin2020_noisy_gradient(tmp_path):
   config = results["configs"]["σ=0.5, C=1.4"]
   assert config["AC"]["guarantee"] == "none" and config["CA"]["guarantee"] == "certified"
   assert 0 < config["AC"]["tpvd"] and 0 < config["CA"]["tpvd"]
-  assert "epsilon" not in config["AC"] and config["CA"]["epsilon"] > 0
+  # The TPVD twin needs the private model's batches: shuffled, so CA's certified ε has no
+  # amplification and exceeds the Poisson-assumed (nominal) one.
+  assert results["sampling"] == config["AC"]["sampling"] == config["CA"]["sampling"] == "shuffle"
+  assert "epsilon" not in config["AC"] and config["CA"]["epsilon"] > config["CA"]["epsilon_nominal"]
 
 
 def test_amian2021_tanh_filter(tmp_path):
   _, results = _smoke("amian2021_tanh_filter.py", tmp_path)
   _assert_plots(tmp_path, "accuracy.png", "epsilon.png")
-  assert results["epochs"] == 2
+  assert results["epochs"] == 2 and results["sampling"] == "poisson"
   tanh, dpsgd = results["runs"]["tanh c=1 k=1"], results["runs"]["DP-SGD"]
   assert tanh["guarantee"] == "none" and dpsgd["guarantee"] == "certified"
+  assert tanh["steps"] == dpsgd["steps"] == results["steps"]  # The ledger counts what ran.
+  assert dpsgd["epsilon_certified"] == dpsgd["epsilon_nominal"]  # Poisson: the same event.
   assert abs(tanh["epsilon_nominal"] - dpsgd["epsilon_certified"]) < 1e-6
   assert tanh["epsilon_certified"] > 100 * tanh["epsilon_nominal"]
 
@@ -49,9 +59,13 @@ def test_amian2021_tanh_filter(tmp_path):
 def test_ma2023_icgc_dp(tmp_path):
   _, results = _smoke("ma2023_icgc_dp.py", tmp_path, "--out_dir")
   _assert_plots(tmp_path, "accuracy_curves.png", "accuracy_bars.png")
-  for row in results["results"].values():
+  assert results["setting"]["sampling"] == "poisson"
+  for eps, row in results["results"].items():
     assert row["sigma"] > 0
     assert row["dpsgd"]["guarantee"] == "certified"
+    # σ is calibrated to DP-SGD's certified ε under the Poisson sampling it trains with.
+    assert abs(row["dpsgd"]["epsilon_certified"] - float(eps)) < 0.01
+    assert row["icgc"]["epsilon_certified"] is None
     assert row["icgc"]["guarantee"] == row["icgc_awf"]["guarantee"] == "heuristic"
     for method in ("dpsgd", "icgc", "icgc_awf"):
       assert 0 <= row[method]["test_accuracy"] <= 1
@@ -60,6 +74,7 @@ def test_ma2023_icgc_dp(tmp_path):
 def test_pigdo2022_accountants(tmp_path):
   _, results = _smoke("pigdo2022_accountants.py", tmp_path, "--out_dir")
   _assert_plots(tmp_path, "epsilon_vs_epochs.png")
+  assert results["setting"]["sampling"] == "poisson"
   remark = results["remark4_T40000"]
   # The paper's Remark 4 (q = 0.01, σ = 2, δ = 1e-5, T = 40,000): MA 10.2, MMA 6.8.
   assert round(remark["ma"], 1) == 10.2 and round(remark["mma"], 1) == 6.8
@@ -76,6 +91,11 @@ def test_vanderveen2018_three_tools(tmp_path):
   rows = results["noise_table"]["N=60000, E=10 (paper)"]
   per_example = [r["noise_per_example"] for r in rows]
   assert per_example == sorted(per_example, reverse=True)  # σ/B falls as B grows.
+  assert results["sampling"] == "poisson" and results["sanity"]["sampling"] == "shuffle"
   for run in {**results["lr_scaling"], **results["clipping"]}.values():
+    assert run["sampling"] == "poisson"
     assert abs(run["epsilon"] - results["epsilon"]) < 0.05  # Every run spends the same budget.
+  for check in results["sanity"]["memorization"].values():  # Shuffled: no amplification.
+    assert abs(check["epsilon_nominal"] - results["epsilon"]) < 0.05  # The paper's accounting.
+    assert check["epsilon_nominal"] < check["epsilon"]
   assert "== Summary ==" in stdout
