@@ -229,10 +229,9 @@ class DPOptimizerMixin:
     """The algorithm's noised step; `dp_steps` counts it in the same graph, once its noise is
     drawn (not before: a call whose data never arrives, e.g. an exhausted iterator, counts none)."""
     privatized = self.algorithm(grads)
-    with tf.control_dependencies(privatized):
-      counted = self.dp_steps.assign_add(1)
-    with tf.control_dependencies([counted]):
-      return [tf.identity(g) for g in privatized]
+    with tf.control_dependencies(privatized):  # A stateful op: tf.function always runs it.
+      self.dp_steps.assign_add(1)
+    return privatized
 
   def build(self, var_list):
     """Keras optimizer API: the base class' slots, then the algorithm's state."""

@@ -100,12 +100,12 @@ def microbatch_losses(loss: tf.Tensor,
     loss = tf.reduce_mean(tf.reshape(loss, [batch, -1]), axis=1)
   if num_microbatches is None:
     return loss, batch
-  m = tf.constant(num_microbatches)
   checks = validation.check_microbatches(loss, num_microbatches)  # Raises now if B is static.
-  if checks:  # B known only at run time: every reshape by M waits for the check, so it fails first.
+  if checks:  # B known only at run time: the losses, and so every reshape by M, wait for it.
     with tf.control_dependencies(checks):
-      loss, m = tf.identity(loss), tf.identity(m)
-  return tf.reduce_mean(tf.reshape(loss, [m, -1]), axis=1), m
+      loss = tf.identity(loss)
+  return (tf.reduce_mean(tf.reshape(loss, [num_microbatches, -1]), axis=1),
+          tf.constant(num_microbatches))  # A constant M keeps the factors' static shapes.
 
 
 def _factor(use: trace.Use, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
@@ -173,6 +173,18 @@ def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Opti
   return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m)
 
 
+def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F.Factor:
+  """One variable's factor: unread (zero), the fallback, or its uses' rules."""
+  if handle is None:
+    return next(unread)
+  if var_uses is None:
+    return next(slow_factors)
+  parts = [_factor(u, grads[u.op.name], m, var) for u in var_uses
+           if grads[u.op.name] is not None]  # None: tf.gradients proves no path to the loss.
+  return (F.concat(parts, tuple(var.shape)) if parts else
+          F.Dense(tf.zeros(tf.concat([[m], var.shape], 0), var.dtype)))
+
+
 def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
             num_microbatches: Optional[int] = None, tape: Optional[tf.GradientTape] = None,
             self_check: bool = True) -> PerExampleGradients:
@@ -210,15 +222,8 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
 
   factors = []
   for var, handle, var_uses in zip(variables, handles, uses):
-    if handle is None:
-      factors.append(next(unread))
-    elif var_uses is None:
-      factors.append(next(slow_factors))
-    else:
-      parts = [_factor(u, grads[u.op.name], m, var) for u in var_uses
-               if grads[u.op.name] is not None]  # None: tf.gradients proves no path to the loss.
-      factors.append(F.concat(parts, tuple(var.shape)) if parts else
-                     F.Dense(tf.zeros(tf.concat([[m], var.shape], 0), var.dtype)))
+    with tf.control_dependencies([mb_losses]):  # Rows reshaped by M: after the batch is checked.
+      factors.append(_variable_factor(var, handle, var_uses, grads, m, slow_factors, unread))
   result = PerExampleGradients(variables, factors, m)
   if not self_check:
     return result
