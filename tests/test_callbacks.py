@@ -65,7 +65,8 @@ def test_privacy_logger_dpadam(tmp_path, capsys):
   logger = callbacks.PrivacyLogger(N, B, delta=DELTA, log_dir=str(tmp_path), sampling="poisson")
   pld = callbacks.PrivacyLogger(N, B, delta=DELTA, method="pld", sampling="poisson")
   # Both put `epsilon` into logs: the later one in the list wins.
-  model, history = _fit(tfdp_variants.DPAdam(1.0, SIGMA, learning_rate=0.01), [pld, logger])
+  model, history = _fit(tfdp_variants.DPAdam(1.0, SIGMA, learning_rate=0.01, expected_batch_size=B),
+                        [pld, logger])
   want = [accounting.epsilon(SIGMA, Q, steps, DELTA) for steps in (4, 8)]
   assert pld.epsilon == pytest.approx(accounting.epsilon(SIGMA, Q, 8, DELTA, "pld"), rel=1e-12)
   assert int(model.optimizer.iterations) == logger.steps == logger.ledger.steps == 8
@@ -73,7 +74,8 @@ def test_privacy_logger_dpadam(tmp_path, capsys):
   np.testing.assert_allclose(history["epsilon_nominal"], want, rtol=1e-12)
   assert logger.epsilon == logger.epsilon_nominal == pytest.approx(want[1], rel=1e-12)
   assert (f"epoch 2: certified ε = {want[1]:.4g}; nominal ε = {want[1]:.4g} "
-          "(RDP, δ=1e-05; guarantee: certified; poisson sampling, add/remove one example)") in capsys.readouterr().out
+          "(RDP, δ=1e-05; guarantee: certified; poisson sampling, add/remove one example)"
+          ) in capsys.readouterr().out
   events = _events(str(tmp_path))
   for tag in ("epsilon", "epsilon_nominal"):
     assert [step for step, _ in events[tag]] == [0, 1]
@@ -108,7 +110,8 @@ def test_shuffled_batches_are_certified_without_amplification(capsys):
 ])
 def test_nominal_and_certified(optimizer_cls, certified_sigma, capsys):
   logger = callbacks.PrivacyLogger(N, B, delta=DELTA, sampling="poisson")
-  model, history = _fit(optimizer_cls(1.0, SIGMA, learning_rate=0.01), [logger])
+  model, history = _fit(optimizer_cls(1.0, SIGMA, learning_rate=0.01, expected_batch_size=B),
+                        [logger])
   assert model.optimizer.privacy_guarantee == "none"
   nominal = accounting.epsilon(SIGMA, Q, 8, DELTA)
   assert logger.epsilon_nominal == pytest.approx(nominal, rel=1e-12)
@@ -135,8 +138,8 @@ def _max_steps(target):
 def test_budget_stops_before_the_target(steps_per_execution, capsys):
   target = (accounting.epsilon(SIGMA, Q, 6, DELTA) + accounting.epsilon(SIGMA, Q, 7, DELTA)) / 2
   budget = callbacks.PrivacyBudget(target, N, B, delta=DELTA, sampling="poisson")
-  model, history = _fit(tfdp_variants.DPSGD(1.0, SIGMA, learning_rate=0.1), [budget], epochs=10,
-                        steps_per_execution=steps_per_execution)
+  model, history = _fit(tfdp_variants.DPSGD(1.0, SIGMA, learning_rate=0.1, expected_batch_size=B),
+                        [budget], epochs=10, steps_per_execution=steps_per_execution)
   steps = int(model.optimizer.iterations)
   assert budget.max_steps == _max_steps(target) == 6
   assert budget.ledger.epsilon(DELTA) <= target
@@ -156,8 +159,8 @@ def test_budget_of_a_per_layer_algorithm_from_the_first_step(capsys):
     return accounting.epsilon_of_event(dp_accounting.SelfComposedDpEvent(event, steps), DELTA)
 
   budget = callbacks.PrivacyBudget((eps(3) + eps(4)) / 2, N, B, delta=DELTA, sampling="poisson")
-  model, _ = _fit(tfdp_variants.AdaptiveClipSGD(1.0, SIGMA, learning_rate=0.1), [budget],
-                  epochs=5)
+  optimizer = tfdp_variants.AdaptiveClipSGD(1.0, SIGMA, learning_rate=0.1, expected_batch_size=B)
+  model, _ = _fit(optimizer, [budget], epochs=5)
   assert int(model.optimizer.iterations) == budget.max_steps == 3
   assert "would reach ε = " + f"{eps(4):.4g}" in capsys.readouterr().out
 
@@ -180,6 +183,8 @@ def test_errors():
     callbacks.PrivacyLogger(10, 16)
   with pytest.raises(ValueError, match="num_examples and batch_size"):
     callbacks.PrivacyLogger()
+  with pytest.raises(ValueError, match="expected_batch_size=16"):  # Poisson needs E, not |B|.
+    _fit(tfdp_variants.DPSGD(1.0, SIGMA), [callbacks.PrivacyLogger(N, B, sampling="poisson")])
   with pytest.raises(ValueError, match="sampling must be one of"):
     callbacks.PrivacyLogger(N, B, sampling="fixed")
   with pytest.raises(ValueError, match="method"):

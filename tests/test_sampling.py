@@ -113,7 +113,7 @@ def _model():
 
 
 def _compile(model):
-  model.compile(optimizer=tfdp_variants.DPSGD(1.0, SIGMA, learning_rate=0.1),
+  model.compile(optimizer=tfdp_variants.DPSGD(1.0, SIGMA, learning_rate=0.1, expected_batch_size=B),
                 loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                                    reduction="none"))
   return model

@@ -161,6 +161,15 @@ class _Accountant(tf.keras.callbacks.Callback):
 
   def on_train_begin(self, logs=None):
     self._optimizer = _dp_optimizer(self.model, type(self).__name__)
+    expected = self._optimizer.expected_batch_size
+    if self.sampling.kind == "poisson" and expected != self.sampling.batch_size:
+      raise ValueError(
+          f"{type(self).__name__}: Poisson sampling is certified only when the optimizer divides "
+          f"by the expected batch size {self.sampling.batch_size:g} (the realized size would "
+          f"reveal the sample), but its expected_batch_size is {expected!r}. Build it with "
+          f"expected_batch_size={self.sampling.batch_size:g} and train on "
+          "tfdp_variants.data.poisson_dataset(...), or account fit's batches as "
+          "sampling=\"shuffle\".")
     steps = self.params.get("steps")
     if steps is not None and steps not in (self.sampling.steps_per_epoch,
                                            math.ceil(1 / self.sampling.sampling_probability)):

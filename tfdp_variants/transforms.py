@@ -44,13 +44,3 @@ def per_layer_clipped_sum(grads: PerExampleGradients,
   """Σ_m clip(g_m^k, C_k) for each variable k with its own bound C_k (per-layer clipping)."""
   norms = [validation.assert_finite(tf.sqrt(s)) for s in grads.squared_norms()]
   return grads.weighted_sum([clip_factors(n, c) for n, c in zip(norms, bounds)])
-
-
-def mean_over_microbatches(tensors: Sequence[tf.Tensor], num_microbatches: tf.Tensor
-                           ) -> list[tf.Tensor]:
-  """t / M: the noised sum divided by the number of microbatches, as TF Privacy does.
-
-  An empty batch (possible with Poisson sampling) gives the noise alone, divided by 1.
-  """
-  return [t / tf.cast(tf.maximum(num_microbatches, 1), t.dtype) for t in tensors]
-

@@ -188,7 +188,7 @@ def main(argv):
              "batch_size": FLAGS.batch_size, "epochs": FLAGS.epochs, "delta": FLAGS.delta,
              "sampling": "shuffle", "adjacency": sampling.ADJACENCY["shuffle"],
              "non_private": {k: v[-1] for k, v in baseline.items()}, "configs": {}}
-  print(f"\nShuffled batches (the twin's): CA's certified ε has no amplification; nominal ε is "
+  print("\nShuffled batches (the twin's): CA's certified ε has no amplification; nominal ε is "
         "Poisson-assumed.")
   print(f"{'config':>16} | {'AC acc':>7} {'CA acc':>7} | {'AC loss':>7} {'CA loss':>7} | "
         f"{'AC TPVD':>7} {'CA TPVD':>7} | nominal ε (AC, CA) | CA certified ε")

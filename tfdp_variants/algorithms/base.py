@@ -22,7 +22,6 @@ import tensorflow as tf
 
 from tfdp_variants import accounting
 from tfdp_variants import noise
-from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -88,16 +87,17 @@ class Algorithm:
     raise NotImplementedError
 
   def mean(self, noised: Sequence[tf.Tensor], grads: PerExampleGradients) -> list[tf.Tensor]:
-    """The noised sum over M microbatches, or over `expected_batch_size` when set (SPEC §2, §4)."""
-    if self.expected_batch_size is not None:
-      return [t / tf.cast(self.expected_batch_size, t.dtype) for t in noised]
-    return transforms.mean_over_microbatches(noised, grads.num_microbatches)
+    """The noised sum over `denominator` (SPEC §2, §4)."""
+    denominator = self.denominator(grads)
+    return [t / tf.cast(denominator, t.dtype) for t in noised]
 
   def denominator(self, grads: PerExampleGradients) -> tf.Tensor:
-    """What `mean` divides by: `expected_batch_size`, or M (other means of the step use it too)."""
+    """`expected_batch_size` when set (Poisson sampling), else M as TF Privacy divides; an empty
+    batch (possible with Poisson sampling) gives the noise alone, over 1. Other means of the step
+    (adaptive clipping's norm query, the quantile count) divide by it too."""
     if self.expected_batch_size is not None:
       return tf.constant(self.expected_batch_size, tf.float32)
-    return tf.cast(grads.num_microbatches, tf.float32)
+    return tf.cast(tf.maximum(grads.num_microbatches, 1), tf.float32)
 
   def _layers(self, num_layers: Optional[int]) -> int:
     """K for a per-layer event: `num_layers`, or the built count (they must agree)."""
