@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import callbacks
+from tfdp_variants import keras_integration
 from tfdp_variants import metrics
 
 L = tf.keras.layers
@@ -214,10 +215,10 @@ def test_tpvd_against_twin_and_reference(data, tmp_path):
   reference = _model()
   reference.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss("sum_over_batch_size"))
   reference.fit(**fit_data(), epochs=2, verbose=0)
-  reference.save_weights(str(tmp_path / "reference.h5"))
+  reference.save_weights(str(tmp_path / "reference.weights.h5"))
 
   twin_cb = callbacks.TPVDCallback(**twin, log_dir=str(tmp_path))
-  fixed_cb = callbacks.TPVDCallback(str(tmp_path / "reference.h5"))
+  fixed_cb = callbacks.TPVDCallback(str(tmp_path / "reference.weights.h5"))
   model = _model()
   model.compile(optimizer=tfdp_variants.DPSGD(0.5, 0.5, learning_rate=0.1), loss=_loss())
   history = model.fit(**fit_data(), epochs=2, verbose=0, callbacks=[twin_cb, fixed_cb]).history
@@ -263,7 +264,7 @@ def test_layer_norm_logger(num_microbatches, tmp_path):
   want = float(np.mean(flat > clip))
   assert 0 < want < 1
   assert history["clip_fraction"] == [want] == [cb.clip_fraction]  # Epoch 2 only.
-  tags = ["grad_norm/" + v.name.split(":")[0] for v in model.trainable_variables]
+  tags = ["grad_norm/" + keras_integration.variable_name(v) for v in model.trainable_variables]
   for tag, norm in zip(tags, norms):
     np.testing.assert_allclose(cb.norms[tag], norm, rtol=1e-4)
   np.testing.assert_allclose(cb.norms["grad_norm/global"], flat, rtol=1e-4)

@@ -54,7 +54,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp_variants import accounting
+from tfdp_variants import keras_integration
 from tfdp_variants import metrics
+from tfdp_variants import optimizers
 from tfdp_variants import per_example
 from tfdp_variants import sampling as sampling_lib
 from tfdp_variants.optimizers import DPOptimizerMixin
@@ -233,6 +235,7 @@ class PrivacyLogger(_Accountant):
     self.epsilon_nominal: Optional[float] = None
 
   def on_epoch_end(self, epoch, logs=None):
+    self._optimizer.raise_if_self_check_failed()  # Under XLA a failure cannot raise in a step.
     self.epsilon, self.epsilon_nominal = self._epsilons(self._read_steps())
     values = {"epsilon_nominal": self.epsilon_nominal}
     if self.epsilon is not None:
@@ -313,10 +316,7 @@ class PrivacyBudget(_Accountant):
           f"privacy_guarantee={self._optimizer.privacy_guarantee!r}: its ε is no proven bound. "
           "Use the algorithm's certified mode (and unseeded noise), or pass nominal=True to stop "
           "at the ε the paper accounts (not a guarantee).")
-    if self.model.autotune_steps_per_execution:
-      raise ValueError("PrivacyBudget needs a fixed steps_per_execution to stop in time; compile "
-                       "with an integer instead of steps_per_execution='auto'.")
-    self._steps_ahead = int(self.model.steps_per_execution.numpy())
+    self._steps_ahead = keras_integration.steps_per_execution(self.model, "PrivacyBudget")
     self.max_steps = self._max_steps()
     if self.steps + self._steps_ahead > self.max_steps:
       raise ValueError(
@@ -334,25 +334,6 @@ class PrivacyBudget(_Accountant):
           f"{self._budgeted_epsilon(steps):.4g} ({self.method.upper()}, δ={self.delta:g}; "
           f"{self.sampling.describe()}): step {steps + ahead} would reach ε = {after:.4g} > "
           f"target {self.target_epsilon:g}.", flush=True)
-
-
-def _base_optimizer(optimizer: DPOptimizerMixin) -> tf.keras.optimizers.Optimizer:
-  """A new optimizer of the private optimizer's Keras base class, with its settings, no privacy."""
-  mro = type(optimizer).__mro__
-  base_cls = mro[mro.index(DPOptimizerMixin) + 1]
-  return base_cls.from_config(super(DPOptimizerMixin, optimizer).get_config())
-
-
-def _batch_mean(loss):
-  """`loss` averaged over the batch, as the DP optimizers average (clipped) per-example gradients.
-
-  A per-example (`reduction="none"`) loss in a non-private optimizer would follow the gradient of
-  the batch's sum instead.
-  """
-  if isinstance(loss, tf.keras.losses.Loss) and loss.reduction == tf.keras.losses.Reduction.NONE:
-    return type(loss).from_config(
-        {**loss.get_config(), "reduction": tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE})
-  return loss
 
 
 class TPVDCallback(_StepCounter):
@@ -436,14 +417,16 @@ class TPVDCallback(_StepCounter):
     if self.twin is None:
       self.twin = tf.keras.models.clone_model(self.model)
       self.twin.set_weights(self.model.get_weights())
-      optimizer = self.twin_optimizer or _base_optimizer(
+      optimizer = self.twin_optimizer or optimizers.non_private_twin(
           _dp_optimizer(self.model, "TPVDCallback without twin_optimizer"))
-      self.twin.compile(optimizer=optimizer, loss=_batch_mean(self.model.loss))
+      self.twin.compile(optimizer=optimizer, loss=keras_integration.mean_reduced(self.model.loss))
       self._twin_step = tf.function(self.twin.train_step, reduce_retracing=True)
-    iter(self.twin_data)  # The pass fit opens and drops before its first epoch.
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch_steps = 0
+    if self.twin is not None:
+      for _ in range(keras_integration.passes_fit_drops(epoch)):
+        iter(self.twin_data)  # Keeps a seeded shuffle's k-th pass equal to fit's.
 
   def _on_steps(self, steps: int) -> None:
     self._epoch_steps += steps
@@ -470,7 +453,7 @@ class TPVDCallback(_StepCounter):
 
 
 def _tag(variable: tf.Variable) -> str:
-  return "grad_norm/" + variable.name.rsplit(":", 1)[0]
+  return "grad_norm/" + keras_integration.variable_name(variable)
 
 
 class LayerNormLogger(tf.keras.callbacks.Callback):

@@ -1,22 +1,33 @@
-"""Where the DP optimizers meet Keras 2 (TF 2.15): its loss, its loss scaling and its saving.
+"""Where the DP optimizers meet Keras: the one module that knows which Keras it serves.
 
-Everything that depends on how Keras runs a step lives here, so that a Keras version's differences
-stay in one module:
+Three stacks run the same engine and algorithms (SPEC §7): TF 2.21 with Keras 3 (the default),
+TF 2.21 with tf-keras (`TF_USE_LEGACY_KERAS=1`) and TF 2.15 with Keras 2. `tf.keras` is Keras 3 on the
+first and Keras 2 on the others; everything that differs between them is here:
 
-* Model losses. Keras 2.15's `Model.compute_loss` adds the model's losses (weight regularizers,
-  `add_loss` terms) to the compiled loss with an `AddN`, which fails on a per-example loss vector
-  ("Shapes must be equal rank"), and a DP optimizer only sees the loss after that. So
-  `tf.keras.Model.compute_loss` is wrapped, once, when this module is imported: for a model whose
-  optimizer is a DP optimizer (or a LossScaleOptimizer around one) it returns the per-example data
-  loss alone. Terms that do not depend on the step's data are left to the optimizer, which adds
-  their gradient after privatization (the objective is the mean data loss plus the regularizer, as
-  in TF Privacy's models); terms computed from the batch (activity regularizers, `add_loss` on
-  inputs or activations) mix examples and are refused. Any other optimizer gets Keras' own method.
-* Mixed precision. Under `mixed_float16` Keras wraps the optimizer in a LossScaleOptimizer, which
-  multiplies the loss by its scale s before calling the inner optimizer's `compute_gradients` and
-  divides the result by s. A DP optimizer finds its wrapper on the call stack, divides the
-  per-example gradients by s before clipping (so that C bounds the true gradients), and returns
-  its privatized gradient times s.
+* How a step reaches the optimizer. Keras 2's `fit` calls `optimizer.minimize(loss, var_list,
+  tape)`, so a DP optimizer computes its gradients from the per-example loss itself. Keras 3's
+  TensorFlow `train_step` passes the unreduced loss to `optimizer.scale_loss` inside its tape, then
+  calls `apply_gradients` with the batch's summed gradients: a DP optimizer keeps that loss
+  (`remember_loss`) and computes its gradients from the traced graph in `apply` instead (Keras'
+  summed gradients are left unused). A step with no such loss (a custom `train_step` that never
+  calls `scale_loss`, an eager step) is refused, never applied.
+* Model losses. `Model.compute_loss` adds the model's losses (weight regularizers, `add_loss`
+  terms) to the compiled loss, which breaks a per-example loss vector (Keras 2: "Shapes must be
+  equal rank"; Keras 3 broadcasts them into every example's loss, clipping the regularizer with the
+  data). So `compute_loss` is wrapped, once, when this module is imported: for a model whose
+  optimizer is a DP optimizer it returns the per-example data loss alone. Terms that do not depend
+  on the step's data are left to the optimizer, which adds their gradient after privatization (the
+  objective is the mean data loss plus the regularizer, as in TF Privacy's models); terms computed
+  from the batch (activity regularizers, `add_loss` on inputs or activations) mix examples and are
+  refused. Any other optimizer gets Keras' own method.
+* Mixed precision (Keras 2). Under `mixed_float16` Keras 2 wraps the optimizer in a
+  LossScaleOptimizer, which multiplies the loss by its scale s before calling the inner
+  optimizer's `compute_gradients` and divides the result by s. A DP optimizer finds its wrapper on
+  the call stack, divides the per-example gradients by s before clipping (so that C bounds the true
+  gradients), and returns its privatized gradient times s. Keras 3's LossScaleOptimizer never
+  passes the loss on, so there it is refused (see `remembered_loss`).
+* Variables and optimizer state: Keras 3 wraps each `tf.Variable` in a `keras.Variable`, named
+  by its path.
 * Saving. Every class made by `make_dp_optimizer_class` is serialized under one registered name,
   `tfdp_variants>DPOptimizer`, with its recipe (base class, algorithm, options) in its config, so a
   saved model loads in a process that has not made the class yet.
@@ -33,9 +44,105 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfdp_variants import validation
+from tfdp_variants import per_example
 from tfdp_variants.per_example import PerExampleGradients
 
-LossScaleOptimizer = tf.keras.mixed_precision.LossScaleOptimizer  # Keras 2's and its legacy one.
+KERAS_3 = hasattr(tf.keras, "ops")  # Keras 2 (TF 2.15's, tf-keras) has no `keras.ops`.
+# Keras 3 itself (TF 2.21's `tf.keras` is a reduced view of it, without `keras.saving`), or Keras 2:
+# tf-keras under TF_USE_LEGACY_KERAS=1, TF 2.15's own.
+keras = importlib.import_module("keras") if KERAS_3 else tf.keras
+
+if KERAS_3:
+  LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+  OPTIMIZER_BASES: tuple[type, ...] = (keras.optimizers.Optimizer,)
+else:
+  LossScaleOptimizer = keras.mixed_precision.LossScaleOptimizer  # Keras 2's and its legacy one.
+  OPTIMIZER_BASES = (keras.optimizers.Optimizer, keras.optimizers.legacy.Optimizer)
+
+
+def is_legacy(cls: type) -> bool:
+  """Whether `cls` is a Keras 2 legacy optimizer class (`tf.keras.optimizers.legacy.*`)."""
+  return not KERAS_3 and issubclass(cls, keras.optimizers.legacy.Optimizer)
+
+
+tf_variable = per_example.as_tf_variable  # The tf.Variable a Keras 3 variable wraps.
+
+
+def variable_name(var) -> str:
+  """A variable's unique name, as TensorBoard tags show it: Keras 3's path ("dense/kernel"; its
+  `name` is only "kernel"), Keras 2's name without ":0"."""
+  return getattr(var, "path", None) or var.name.split(":")[0]
+
+
+def add_state(optimizer, name: str, value: tf.Tensor):
+  """A non-trainable optimizer variable holding `value`, saved with the optimizer."""
+  if is_legacy(type(optimizer)):
+    return optimizer.add_weight(name, shape=value.shape, dtype=value.dtype, trainable=False,
+                                initializer=lambda *_, **__: value)
+  return optimizer.add_variable(shape=value.shape, dtype=value.dtype,
+                                initializer=lambda *_, **__: value, name=name)
+
+
+def mean_reduced(loss):
+  """A per-example (`reduction="none"`) Keras loss as its batch mean, for a non-private twin
+  (the DP optimizers average clipped per-example gradients); any other loss unchanged."""
+  if isinstance(loss, keras.losses.Loss) and loss.reduction in (None, "none"):
+    return type(loss).from_config({**loss.get_config(), "reduction": "sum_over_batch_size"})
+  return loss
+
+
+def passes_fit_drops(epoch: int) -> int:
+  """How many passes over a tf.data dataset `fit` opens and drops before its epoch `epoch`
+  (0-based), so that a copy of a seeded shuffle can follow fit's order (measured: Keras 2 opens
+  one before the first epoch; Keras 3 one between consecutive epochs)."""
+  if KERAS_3:
+    return int(epoch > 0)
+  return int(epoch == 0)
+
+
+def steps_per_execution(model: keras.Model, who: str) -> int:
+  """The steps one call of the model's train function runs (`compile(steps_per_execution=...)`)."""
+  if KERAS_3:
+    return int(model.steps_per_execution)
+  if model.autotune_steps_per_execution:
+    raise ValueError(f"{who} needs a fixed steps_per_execution; compile with an integer instead "
+                     "of steps_per_execution='auto'.")
+  return int(model.steps_per_execution.numpy())
+
+
+# Keras 3: the per-example loss of a step, from `scale_loss` to `apply`.
+
+_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {graph: loss}
+
+
+def remember_loss(optimizer, loss) -> None:
+  """Keeps the loss Keras 3's `train_step` passes to `optimizer.scale_loss` for this graph."""
+  graph = getattr(loss, "graph", None)
+  if graph is not None:
+    _LOSSES.setdefault(optimizer, weakref.WeakKeyDictionary())[graph] = loss
+
+
+def remembered_loss(optimizer, who: str) -> tf.Tensor:
+  """The loss `remember_loss` kept in the current graph (once), or a ValueError naming the fix."""
+  graph = tf.compat.v1.get_default_graph()
+  loss = _LOSSES.get(optimizer, {}).pop(graph, None) if not tf.executing_eagerly() else None
+  if loss is not None:
+    return loss
+  if tf.executing_eagerly():
+    reason = ("this step runs eagerly (run_eagerly=True), where the loss is gone by the time "
+              "apply_gradients is called. Compile without run_eagerly=True")
+  elif isinstance(validation.training_model() and validation.training_model().optimizer,
+                  LossScaleOptimizer):
+    reason = ("Keras 3's LossScaleOptimizer (mixed precision) scales the loss without passing it "
+              "on. Train in float32 (keras.mixed_precision.set_global_policy('float32'))")
+  else:
+    reason = ("its scale_loss was not given this step's per-example loss (a custom train_step "
+              "that does not call optimizer.scale_loss(loss) inside its GradientTape)")
+  raise ValueError(
+      f"{who} got gradients it cannot privatize: {reason}. In a custom training loop, use "
+      "optimizer.minimize(per_example_loss, var_list, tape=tape), or "
+      "optimizer.apply_gradients(optimizer.compute_gradients(per_example_loss, var_list, tape)).")
+
 
 # Ops through which the step's data enters a graph.
 _DATA_OPS = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue")
@@ -59,6 +166,8 @@ def loss_scale_wrapper(inner) -> Optional[LossScaleOptimizer]:
   Its `compute_gradients` scales the loss before calling `inner`'s, and its `apply_gradients`
   unscales, aggregates and passes the gradients on to `inner`'s.
   """
+  if KERAS_3:  # Its LossScaleOptimizer never passes the loss on: refused by `remembered_loss`.
+    return None
   frame = inspect.currentframe()
   try:
     while frame is not None:
@@ -141,7 +250,7 @@ def _depends_on_data(tensor: tf.Tensor, data: Sequence[tf.Tensor]) -> bool:
   return False
 
 
-def check_model_losses(model: tf.keras.Model, data) -> None:
+def check_model_losses(model: keras.Model, data) -> None:
   """Raises ValueError for a model loss computed from the batch: it mixes examples.
 
   Kernel and bias regularizers (and other `add_loss` terms of the weights alone) pass; their
@@ -165,26 +274,30 @@ def check_model_losses(model: tf.keras.Model, data) -> None:
           "optimizer adds their gradient after privatization.")
 
 
-def model_losses_left(model: Optional[tf.keras.Model]) -> list[tf.Tensor]:
+def model_losses_left(model: Optional[keras.Model]) -> list[tf.Tensor]:
   """The model's data-independent losses, if its compute_loss left them to the optimizer."""
   if model is None or model not in _LEFT_TO_OPTIMIZER:
     return []
   return model.losses
 
 
-_keras_compute_loss = tf.keras.Model.compute_loss
+_keras_compute_loss = keras.Model.compute_loss
 
 
 @functools.wraps(_keras_compute_loss)
-def _compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+def _compute_loss(self, *args, **kwargs):
   """Keras' compute_loss; for a DP optimizer the per-example data loss (see the module doc)."""
   if not _is_dp(getattr(self, "optimizer", None)):
-    return _keras_compute_loss(self, x, y, y_pred, sample_weight)
+    return _keras_compute_loss(self, *args, **kwargs)
+  bound = inspect.signature(_keras_compute_loss).bind(self, *args, **kwargs)
+  bound.apply_defaults()
+  x, y, y_pred, sample_weight = (bound.arguments[k] for k in ("x", "y", "y_pred", "sample_weight"))
   if validation.training_model() is self:
     check_model_losses(self, (x, y, sample_weight))
     _LEFT_TO_OPTIMIZER.add(self)
+  compiled = self._compile_loss if KERAS_3 else self.compiled_loss  # pylint: disable=protected-access
   try:
-    return self.compiled_loss(y, y_pred, sample_weight)
+    loss = compiled(y, y_pred, sample_weight)
   except ValueError as e:
     if len(tf.nest.flatten(y_pred)) < 2:
       raise
@@ -194,11 +307,15 @@ def _compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
         "shape (B, T) beside a per-example one of shape (B,) is ambiguous. Reduce each output's "
         "loss to shape (B,), e.g. loss=lambda y, p: tf.reduce_mean(seq_loss(y, p), axis=-1) "
         "for the sequence output, or give all outputs losses of the same shape.") from e
+  if loss is None:
+    raise ValueError("A DP optimizer needs a compiled loss: model.compile(loss=...) with "
+                     "reduction=\"none\".")
+  return loss
 
 
 _compute_loss.tfdp_wrapper = True
-if not getattr(tf.keras.Model.compute_loss, "tfdp_wrapper", False):
-  tf.keras.Model.compute_loss = _compute_loss
+if not getattr(keras.Model.compute_loss, "tfdp_wrapper", False):
+  keras.Model.compute_loss = _compute_loss
 
 
 # Saving.
@@ -209,22 +326,22 @@ REGISTERED_NAME = ("tfdp_variants", "DPOptimizer")
 def register(cls: type, loader: type) -> None:
   """Serializes `cls` under `REGISTERED_NAME`, which Keras resolves to `loader`.
 
-  Keras 2.15 looks a class up by the registered name its config carries, so the name must be known
+  Keras looks a class up by the registered name its config carries, so the name must be known
   to a fresh process: `loader.from_config` rebuilds the class from the recipe in the config.
   """
-  tf.keras.utils.register_keras_serializable(*REGISTERED_NAME)(cls)  # Names cls (and binds it).
-  tf.keras.utils.register_keras_serializable(*REGISTERED_NAME)(loader)  # Binds the name to loader.
+  keras.utils.register_keras_serializable(*REGISTERED_NAME)(cls)  # Names cls (and binds it).
+  keras.utils.register_keras_serializable(*REGISTERED_NAME)(loader)  # Binds the name to loader.
 
 
 def class_reference(cls: type) -> dict:
   """What `resolve_class` needs to find `cls` again in another process."""
   return {"module": cls.__module__, "class_name": cls.__qualname__,
-          "registered_name": tf.keras.utils.get_registered_name(cls)}
+          "registered_name": keras.utils.get_registered_name(cls)}
 
 
 def resolve_class(reference: dict) -> type:
   """The class of `class_reference`: registered with Keras, or imported from its module."""
-  registered = tf.keras.utils.get_registered_object(reference["registered_name"])
+  registered = keras.utils.get_registered_object(reference["registered_name"])
   if registered is not None:
     return registered
   obj = importlib.import_module(reference["module"])

@@ -3,7 +3,7 @@ algorithm (AWF).
 
     model = models.get("lin2020_cnn")                      # the paper's input shape, 10 classes
     model = models.get("small_cnn", (8, 8, 1), 10)
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(
+    loss = keras.losses.SparseCategoricalCrossentropy(
         from_logits=models.outputs_logits("lin2020_cnn"), reduction="none")
 
 `MODELS` maps each name to a `ModelSpec`: its builder, the paper's input shape, whether it outputs
@@ -21,15 +21,17 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-L = tf.keras.layers
+from tfdp_variants.keras_integration import keras
+
+L = keras.layers
 Shape = Sequence[int]
 
 
-def _sequential(name: str, input_shape: Shape, *layers: L.Layer) -> tf.keras.Sequential:
-  return tf.keras.Sequential([L.Input(tuple(input_shape)), *layers], name=name)
+def _sequential(name: str, input_shape: Shape, *layers: L.Layer) -> keras.Sequential:
+  return keras.Sequential([L.Input(tuple(input_shape)), *layers], name=name)
 
 
-def small_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def small_cnn(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """The package's default: a small CNN that suits 8×8 digits and 28×28 MNIST alike; logits.
 
   Two 3×3 "same" convolutions of 16 and 32 filters, each followed by 2×2 max pooling, a dense
@@ -42,7 +44,7 @@ def small_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
       L.Flatten(), L.Dense(64, activation="relu"), L.Dense(num_classes))
 
 
-def lin2020_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def lin2020_cnn(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """Lin et al. 2020's CNN (§4.3.1), input 28×28×1; logits.
 
   Conv 32 5×5 → max-pool 2 → conv 64 5×5 → max-pool 2 → dense 1024 → dropout → dense
@@ -57,7 +59,7 @@ def lin2020_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
       L.Flatten(), L.Dense(1024, activation="relu"), L.Dropout(0.5), L.Dense(num_classes))
 
 
-def lin2020_lstm(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def lin2020_lstm(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """Lin et al. 2020's LSTM (§4.3.2): 128 units over the image's rows; logits.
 
   A 28×28 image is 28 time steps of 28 pixels (an H×W×C input: H steps of W·C values); the last
@@ -71,7 +73,7 @@ def lin2020_lstm(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
       L.Reshape((steps, features)), L.LSTM(128, unroll=True), L.Dense(num_classes))
 
 
-def icgc_model1(input_shape: Sequence[int], num_classes: int) -> tf.keras.Sequential:
+def icgc_model1(input_shape: Sequence[int], num_classes: int) -> keras.Sequential:
   """Ma et al. 2023's Model1 (§IV.A.b), for MNIST and Fashion-MNIST; outputs probabilities.
 
   Two 5×5 convolutions of 10 and 20 filters, four dense layers and a softmax. The paper gives no
@@ -79,7 +81,7 @@ def icgc_model1(input_shape: Sequence[int], num_classes: int) -> tf.keras.Sequen
   input of at least 4×4 fits, e.g. 8×8 digits), dense widths 128, 64, 32 and `num_classes`.
   Its 12 trainable variables (a weight and a bias per layer) make K even, as in the paper.
   """
-  return tf.keras.Sequential([
+  return keras.Sequential([
       L.Input(tuple(input_shape)),
       L.Conv2D(10, 5, padding="same", activation="relu"),
       L.MaxPool2D(2),
@@ -100,8 +102,8 @@ def _variance(p: tf.Tensor) -> tf.Tensor:
                         keepdims=True)
 
 
-@tf.keras.utils.register_keras_serializable(package="tfdp_variants")
-class AdaptiveWeightedFusion(tf.keras.Model):
+@keras.utils.register_keras_serializable(package="tfdp_variants")
+class AdaptiveWeightedFusion(keras.Model):
   """AWF (Ma et al. 2023, §III.C, Algorithm 2 lines 3-7): two identical sub-models, fused.
 
   For each example, with y¹, y² the sub-models' probability vectors over n classes and V_j the
@@ -115,7 +117,7 @@ class AdaptiveWeightedFusion(tf.keras.Model):
   architecture and start from independent initializations (with a seeded initializer they would
   start equal, get equal gradients and stay equal). `get_config` stores the sub-model's config
   once and `from_config` builds two from it, so `model.save("….keras")` and
-  `tf.keras.models.load_model` restore an `AdaptiveWeightedFusion` with its weights and optimizer.
+  `keras.models.load_model` restore an `AdaptiveWeightedFusion` with its weights and optimizer.
   (The legacy SavedModel format loads a revived Keras model that predicts and trains the same.)
 
   Args:
@@ -129,7 +131,7 @@ class AdaptiveWeightedFusion(tf.keras.Model):
     TensorShape([2, 10])
   """
 
-  def __init__(self, build_submodel: Callable[[], tf.keras.Model], **kwargs):
+  def __init__(self, build_submodel: Callable[[], keras.Model], **kwargs):
     super().__init__(**kwargs)
     self.submodel_1 = build_submodel()
     self.submodel_2 = build_submodel()
@@ -148,18 +150,18 @@ class AdaptiveWeightedFusion(tf.keras.Model):
 
   def get_config(self) -> dict:
     return {"name": self.name,
-            "submodel": tf.keras.saving.serialize_keras_object(self.submodel_1)}
+            "submodel": keras.saving.serialize_keras_object(self.submodel_1)}
 
   @classmethod
   def from_config(cls, config: dict, custom_objects=None) -> "AdaptiveWeightedFusion":
     config = dict(config)
     submodel = config.pop("submodel")
-    return cls(lambda: tf.keras.saving.deserialize_keras_object(
+    return cls(lambda: keras.saving.deserialize_keras_object(
         submodel, custom_objects=custom_objects), **config)
 
 
 def _conv64_pair(name: str, input_shape: Shape, num_classes: int,
-                 *head: L.Layer) -> tf.keras.Sequential:
+                 *head: L.Layer) -> keras.Sequential:
   """Two 5×5 convolutions of 64 filters (ReLU, "same", 2×2 max pooling), dense 384, output."""
   return _sequential(
       name, input_shape,
@@ -168,7 +170,7 @@ def _conv64_pair(name: str, input_shape: Shape, num_classes: int,
       L.Flatten(), L.Dense(384, activation="relu"), L.Dense(num_classes), *head)
 
 
-def ma2023_model2(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def ma2023_model2(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """Ma et al. 2023's Model2 (§IV.A.b), for CIFAR-10; outputs probabilities.
 
   Two 5×5 convolutions of 64 and 64 filters, two dense layers and a softmax (§IV.A.b gives no
@@ -189,14 +191,14 @@ def ma2023_model2_awf(input_shape: Shape, num_classes: int) -> AdaptiveWeightedF
   return _fused("ma2023_model2_awf", lambda: ma2023_model2(input_shape, num_classes), input_shape)
 
 
-def _fused(name: str, build_submodel: Callable[[], tf.keras.Model],
+def _fused(name: str, build_submodel: Callable[[], keras.Model],
            input_shape: Shape) -> AdaptiveWeightedFusion:
   model = AdaptiveWeightedFusion(build_submodel, name=name)
   model.build((None, *input_shape))
   return model
 
 
-def pigdo_mlp(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def pigdo_mlp(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """PIGDO 2022's MNIST and Fashion-MNIST network (§5.1): one dense layer of 1,000 units; logits.
 
   "Only a fully connected layer with 1,000 hidden units", after Abadi et al. 2016, on the raw
@@ -206,7 +208,7 @@ def pigdo_mlp(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
                      L.Flatten(), L.Dense(1000, activation="relu"), L.Dense(num_classes))
 
 
-def pigdo_cifar_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def pigdo_cifar_cnn(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """PIGDO 2022's CIFAR-10 network (§5.1): two convolutional layers and a dense layer; logits.
 
   The paper says only that, "similar to" Abadi et al. 2016; the rest is Abadi et al.'s §5.3: 5×5
@@ -216,7 +218,7 @@ def pigdo_cifar_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential
   return _conv64_pair("pigdo_cifar_cnn", input_shape, num_classes)
 
 
-@tf.keras.utils.register_keras_serializable(package="tfdp_variants")
+@keras.utils.register_keras_serializable(package="tfdp_variants")
 class LocalResponseNormalization(L.Layer):
   """`tf.nn.local_response_normalization` (Krizhevsky et al. 2012 §3.3) as a Keras layer.
 
@@ -239,7 +241,7 @@ class LocalResponseNormalization(L.Layer):
             "alpha": self.alpha, "beta": self.beta}
 
 
-def vanderveen_alexnet(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def vanderveen_alexnet(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """The small AlexNet of van der Veen et al. 2018 (§2.1-2.3), 28×28×3 CIFAR-10 crops; logits.
 
   Zhang et al. 2017 (Appendix A), which van der Veen et al. cite: two modules of 5×5 convolution
@@ -258,7 +260,7 @@ def vanderveen_alexnet(input_shape: Shape, num_classes: int) -> tf.keras.Sequent
       L.Dense(num_classes))
 
 
-def amian_cnn(input_shape: Shape, num_classes: int) -> tf.keras.Sequential:
+def amian_cnn(input_shape: Shape, num_classes: int) -> keras.Sequential:
   """The CNN for Amian 2021's tanh-filter experiments (§IV), MNIST or CIFAR-10; logits.
 
   The paper names no architecture. Its setup (Table I: σ = 1.1, batch 256, microbatch size 1,
@@ -283,7 +285,7 @@ class ModelSpec:
   preprocessing of the paper.
   """
 
-  build: Callable[[Shape, int], tf.keras.Model]
+  build: Callable[[Shape, int], keras.Model]
   input_shape: tuple[int, ...]
   logits: bool
   preprocessing: str = "default"
@@ -311,7 +313,7 @@ def _spec(name: str) -> ModelSpec:
   return MODELS[name]
 
 
-def get(name: str, input_shape: Shape | None = None, num_classes: int = 10) -> tf.keras.Model:
+def get(name: str, input_shape: Shape | None = None, num_classes: int = 10) -> keras.Model:
   """A new, built model `name` (see `MODELS`) for `input_shape` (default: the paper's)."""
   spec = _spec(name)
   return spec.build(spec.input_shape if input_shape is None else tuple(input_shape), num_classes)

@@ -32,15 +32,12 @@ from tfdp_variants import algorithms
 from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 from tfdp_variants import validation
+from tfdp_variants.per_example import self_check
 
 
 def _options_of(algorithm_cls: type[algorithms.Algorithm]) -> tuple[str, ...]:
   params = inspect.signature(algorithm_cls.__init__).parameters
   return tuple(p for p in params if p not in ("self", "l2_norm_clip", "noise_multiplier"))
-
-
-def _is_legacy(cls: type) -> bool:
-  return issubclass(cls, tf.keras.optimizers.legacy.Optimizer)
 
 
 def _copied(t) -> list:
@@ -86,6 +83,13 @@ class _Released:
     return unscaled is not None and bool(tf.reduce_all(tf.equal(grad, unscaled)))
 
 
+class _Untracked:
+  """Values kept out of Keras' tracking (which would save variables in a list as the optimizer's)."""
+
+  def __init__(self):
+    self.items: list = []
+
+
 class DPOptimizerMixin:
   """Per-microbatch gradients, privatized by `algorithm_cls`, for a Keras optimizer.
 
@@ -101,7 +105,8 @@ class DPOptimizerMixin:
       `step_event` None, since anyone who knows the seed can remove the noise.
     self_check: on the first step after each trace, compare the per-example gradients with exact
       ones and refuse models that mix examples (`per_example.self_check`); its steady-state cost
-      is one variable read and a `tf.cond`. Off is needed under XLA (`jit_compile=True`).
+      is one variable read and a `tf.cond`. Under XLA (`jit_compile`), which cannot raise in a
+      step, a failure makes every later update NaN and the privacy callbacks raise.
     **kwargs: the algorithm's options, then the base optimizer's arguments (learning_rate, ...).
 
   Attributes:
@@ -120,6 +125,9 @@ class DPOptimizerMixin:
                num_microbatches: Optional[int] = None,
                expected_batch_size: Optional[float] = None, noise_seed: Optional[int] = None,
                self_check: bool = True, **kwargs):
+    if kwargs.get("loss_scale_factor") is not None:
+      raise ValueError("loss_scale_factor is not supported by DP optimizers: the per-example "
+                       "gradients are clipped at their true scale. Leave it None.")
     options = dict(self.default_options)
     options.update({k: kwargs.pop(k) for k in _options_of(self.algorithm_cls) if k in kwargs})
     algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options)
@@ -156,6 +164,7 @@ class DPOptimizerMixin:
     self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
     self.per_example_rules: Optional[tuple[str, ...]] = None
     self._dp_released: Optional[_Released] = None
+    self._self_check_flags = _Untracked()  # A flag per trace (`per_example.self_check`).
     self._algorithm_built = False
 
   @property
@@ -165,6 +174,12 @@ class DPOptimizerMixin:
   @property
   def noise_multiplier(self) -> float:
     return self.algorithm.noise_multiplier
+
+  def raise_if_self_check_failed(self) -> None:
+    """Raises RuntimeError if the per-example self-check of a step has failed under XLA, where
+    it cannot raise in the step (its updates are NaN since); the privacy callbacks call this."""
+    if any(self_check.failed(flag) for flag in self._self_check_flags.items):
+      raise RuntimeError(self_check.XLA_FAILED)
 
   def _replace_one(self, batch_size: Optional[int], replace_one: bool) -> bool:
     """Whether one record may be replaced: asked for, or microbatches of possibly several
@@ -213,16 +228,14 @@ class DPOptimizerMixin:
         num_layers=num_layers, num_parameters=num_parameters)
 
   def _add_state(self, name: str, initial_value) -> tf.Variable:
-    value = tf.convert_to_tensor(initial_value)
-    if _is_legacy(type(self)):
-      return self.add_weight(name, shape=value.shape, dtype=value.dtype, trainable=False,
-                             initializer=lambda *_, **__: value)
-    return self.add_variable(value.shape, value.dtype, lambda *_: value, name)
+    """An optimizer variable (saved with its state); the algorithm gets the `tf.Variable`."""
+    return per_example.as_tf_variable(
+        keras_integration.add_state(self, name, tf.convert_to_tensor(initial_value)))
 
   def _build_algorithm(self, var_list) -> None:
     if not self._algorithm_built:
       self._algorithm_built = True
-      self.algorithm.build(var_list, self._add_state)
+      self.algorithm.build([per_example.as_tf_variable(v) for v in var_list], self._add_state)
       self.dp_steps = self._add_state("dp_steps", tf.constant(0, tf.int64))
 
   def _privatize(self, grads) -> list[tf.Tensor]:
@@ -252,7 +265,8 @@ class DPOptimizerMixin:
     skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
     return tf.cond(finite, lambda: self._privatize(grads), skipped)
 
-  def _dp_gradients(self, loss, var_list, tape):
+  def _dp_gradients(self, loss, var_list, tape) -> list[tuple[tf.Tensor, tf.Variable]]:
+    """(privatized gradient, variable) pairs for the per-example `loss` (see `compute_gradients`)."""
     validation.check_single_replica(type(self).__name__)
     if callable(loss):
       tape = tape if tape is not None else tf.GradientTape()
@@ -275,14 +289,17 @@ class DPOptimizerMixin:
                           "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
                           1, type(self).__name__)
     with tf.init_scope():  # State is created outside the traced step, as Keras does.
-      if _is_legacy(type(self)):
+      if keras_integration.is_legacy(type(self)):
         self._create_all_weights(var_list)
-      else:
+      elif not (keras_integration.KERAS_3 and self.built):
         self.build(var_list)
     wrapper = keras_integration.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
-    grads = per_example.compute(loss, var_list, self.num_microbatches, tape, self.self_check)
+    tf_vars = [per_example.as_tf_variable(v) for v in var_list]
+    grads = per_example.compute(loss, tf_vars, self.num_microbatches, tape, self.self_check)
     self.per_example_rules = tuple(grads.rules)
-    slow = [v.name for v, rule in zip(var_list, grads.rules) if rule == "fallback"]
+    if grads.self_check_flag is not None:
+      self._self_check_flags.items.append(grads.self_check_flag)
+    slow = [v.name for v, rule in zip(tf_vars, grads.rules) if rule == "fallback"]
     if slow and not tf.executing_eagerly():
       logging.info("%s: these variables have no per-example rule and take the exact Jacobian "
                    "fallback (slower): %s", type(self).__name__, ", ".join(slow))
@@ -295,35 +312,82 @@ class DPOptimizerMixin:
       dtype = max((t.dtype for t in regularizers), key=lambda d: d.size)
       total = tf.add_n([tf.cast(t, dtype) for t in regularizers])
       privatized = [p if g is None else p + tf.cast(tf.convert_to_tensor(g), p.dtype)
-                    for p, g in zip(privatized, tf.gradients(total, var_list))]
+                    for p, g in zip(privatized, tf.gradients(total, tf_vars))]
     if wrapper is not None:  # The wrapper divides by its scale.
       privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
     self._dp_released = _Released(privatized, var_list, wrapper)
     return list(zip(privatized, var_list))
 
-  def compute_gradients(self, loss, var_list, tape=None):
-    """Privatized gradients (Keras optimizer API); `loss` holds one loss per example."""
+  def compute_gradients(self, loss, var_list, tape=None) -> list[tuple[tf.Tensor, tf.Variable]]:
+    """Privatized (gradient, variable) pairs for a custom training loop, on every stack.
+
+    Args:
+      loss: per-example losses, shape (B,) or (B, ...) (reduction="none"); or a callable
+        returning them.
+      var_list: the variables to train (e.g. `model.trainable_variables`).
+      tape: the GradientTape that recorded `loss`: needed eagerly; in a `tf.function` the engine
+        reads the traced graph instead.
+
+    Pass the result unchanged to `apply_gradients`, which accepts nothing else.
+
+    Example:
+      >>> with tf.GradientTape() as tape:
+      ...   loss = loss_fn(y, model(x, training=True))  # reduction="none"
+      >>> optimizer.apply_gradients(
+      ...     optimizer.compute_gradients(loss, model.trainable_variables, tape))
+    """
     return self._dp_gradients(loss, var_list, tape)
+
+  def minimize(self, loss, var_list, tape=None):
+    """`apply_gradients(compute_gradients(loss, var_list, tape))`: one private step, on every
+    stack (Keras 3 optimizers have no `minimize` of their own)."""
+    return self.apply_gradients(self._dp_gradients(loss, var_list, tape))
+
+  def scale_loss(self, loss):
+    """Keras 3 API, called by `train_step` inside its tape: keeps the per-example loss, from
+    which `apply` computes this step's private gradients (`keras_integration`)."""
+    keras_integration.remember_loss(self, loss)
+    return super().scale_loss(loss)
 
   def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
     """Privatized gradients (legacy Keras optimizer API)."""
     del grad_loss  # Per-example losses are reduced by the algorithm itself.
     return self._dp_gradients(loss, var_list, tape)
 
-  def apply_gradients(self, grads_and_vars, *args, **kwargs):
-    """Keras optimizer API, for the gradients this optimizer's last compute_gradients returned."""
+  def _guarded(self, grads, variables) -> list:
+    """The gradients to apply: those this optimizer privatized, passed on unchanged; on Keras 3,
+    in place of Keras' own, the private gradients of the loss `scale_loss` kept; else an error."""
     validation.check_single_replica(type(self).__name__)
-    grads_and_vars = list(grads_and_vars)
+    grads, variables = list(grads), list(variables)
     wrapper = keras_integration.loss_scale_wrapper(self)
-    raw = [v.name for g, v in grads_and_vars if g is not None and not (
+    raw = [v.name for g, v in zip(grads, variables) if g is not None and not (
         self._dp_released is not None and self._dp_released.accepts(g, v, wrapper))]
-    if raw:
-      raise RuntimeError(
-          f"{type(self).__name__}.apply_gradients was given gradients it did not privatize (for "
-          f"{', '.join(raw)}), which would train without privacy. Pass on, unchanged, the "
-          "(gradient, variable) pairs its compute_gradients returned for this step, or call "
-          "optimizer.minimize(per_example_loss, var_list, tape=tape), or use model.fit.")
-    return super().apply_gradients(grads_and_vars, *args, **kwargs)
+    if not raw:
+      return grads
+    if keras_integration.KERAS_3:
+      loss = keras_integration.remembered_loss(self, f"{type(self).__name__}.apply_gradients")
+      return [g for g, _ in self._dp_gradients(loss, variables, None)]
+    raise RuntimeError(
+        f"{type(self).__name__}.apply_gradients was given gradients it did not privatize (for "
+        f"{', '.join(raw)}), which would train without privacy. Pass on, unchanged, the "
+        "(gradient, variable) pairs its compute_gradients returned for this step, or call "
+        "optimizer.minimize(per_example_loss, var_list, tape=tape), or use model.fit.")
+
+  def apply_gradients(self, grads_and_vars, *args, **kwargs):
+    """Keras optimizer API, for the gradients this optimizer's last compute_gradients returned
+    (on Keras 3 also inside `fit`: see `scale_loss`)."""
+    if keras_integration.KERAS_3:  # Every Keras 3 update goes through `apply`, guarded there.
+      return super().apply_gradients(grads_and_vars, *args, **kwargs)
+    pairs = list(grads_and_vars)
+    grads = self._guarded([g for g, _ in pairs], [v for _, v in pairs])
+    return super().apply_gradients(zip(grads, [v for _, v in pairs]), *args, **kwargs)
+
+  def apply(self, grads, trainable_variables=None):
+    """Keras 3 optimizer API (its LossScaleOptimizer and `apply_gradients` call it): guarded as
+    `apply_gradients`."""
+    variables = (self._trainable_variables if trainable_variables is None  # Keras' own list.
+                 else list(trainable_variables))
+    return super().apply(self._guarded(grads, variables), variables)
 
   def get_config(self):
     config = super().get_config()
@@ -358,7 +422,7 @@ class DPOptimizerMixin:
 @functools.cache
 def _make_class(base_cls: type, algorithm: str, options: tuple) -> type:
   algorithm_cls = algorithms.REGISTRY[algorithm]
-  name = f"{algorithm_cls.class_prefix}{'Legacy' if _is_legacy(base_cls) else ''}"
+  name = algorithm_cls.class_prefix + ("Legacy" if keras_integration.is_legacy(base_cls) else "")
   name += base_cls.__name__
   if options:
     name += "_" + re.sub(r"\W", "_", "_".join(f"{k}_{v}" for k, v in options))
@@ -385,8 +449,7 @@ def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options)
     >>> DPNadam = make_dp_optimizer_class(tf.keras.optimizers.Nadam)
     >>> opt = DPNadam(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-3)
   """
-  if not (isinstance(base_cls, type) and issubclass(
-      base_cls, (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer))):
+  if not (isinstance(base_cls, type) and issubclass(base_cls, keras_integration.OPTIMIZER_BASES)):
     raise TypeError(f"base_cls must be a Keras optimizer class, got {base_cls!r}.")
   if algorithm not in algorithms.REGISTRY:
     raise ValueError(f"Unknown algorithm {algorithm!r}; choose one of "
@@ -416,3 +479,11 @@ PIRMSprop = make_dp_optimizer_class(tf.keras.optimizers.RMSprop, "pigdo")
 PIAdagrad = make_dp_optimizer_class(tf.keras.optimizers.Adagrad, "pigdo")
 TanhFilterSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD, "tanh_filter")
 TanhFilterAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam, "tanh_filter")
+
+
+def non_private_twin(optimizer: DPOptimizerMixin):
+  """A new optimizer of the DP optimizer's Keras base class (e.g. Adam for DPAdam), with the same
+  arguments and no privacy: the reference of the sanity tools and the TPVD callback."""
+  config = super(DPOptimizerMixin, optimizer).get_config()
+  config.pop("name", None)
+  return type(optimizer).base_cls.from_config(config)

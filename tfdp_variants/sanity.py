@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfdp_variants import keras_integration
 from tfdp_variants import optimizers
 
 ModelFn = Callable[[], tf.keras.Model]
@@ -76,24 +77,7 @@ class PatternResult:
     return self.non_private_pattern_rate - self.non_private_background_rate >= self.learned_margin
 
 
-def non_private_twin(optimizer: optimizers.DPOptimizerMixin) -> tf.keras.optimizers.Optimizer:
-  """The DP optimizer's base Keras optimizer (e.g. Adam for DPAdam) with the same arguments."""
-  base_cls = next(c for c in type(optimizer).__mro__
-                  if not issubclass(c, optimizers.DPOptimizerMixin)
-                  and issubclass(c, (tf.keras.optimizers.Optimizer,
-                                     tf.keras.optimizers.legacy.Optimizer)))
-  dp_keys = {"name", "l2_norm_clip", "noise_multiplier", "num_microbatches",
-             "expected_batch_size", "noise_seed", "self_check", "dp_class",
-             *optimizer.algorithm.get_config()}
-  return base_cls.from_config({k: v for k, v in optimizer.get_config().items()
-                               if k not in dp_keys})
-
-
-def _mean_reduced(loss):
-  """The per-example loss with reduction over the batch, for the twin's ordinary gradient."""
-  if isinstance(loss, tf.keras.losses.Loss) and loss.reduction == "none":
-    return type(loss).from_config({**loss.get_config(), "reduction": "sum_over_batch_size"})
-  return loss
+non_private_twin = optimizers.non_private_twin  # The DP optimizer's base, same arguments.
 
 
 def _train_pair(model_fn: ModelFn, optimizer: optimizers.DPOptimizerMixin, loss, x: np.ndarray,
@@ -113,7 +97,7 @@ def _train_pair(model_fn: ModelFn, optimizer: optimizers.DPOptimizerMixin, loss,
   init = dp_model.get_weights()
   models = []
   for model, opt, model_loss in ((dp_model, optimizer, loss),
-                                 (model_fn(), non_private_twin(optimizer), _mean_reduced(loss))):
+                                 (model_fn(), non_private_twin(optimizer), keras_integration.mean_reduced(loss))):
     tf.keras.utils.set_random_seed(seed)
     model.set_weights(init)
     data = (tf.data.Dataset.from_tensor_slices(groups)

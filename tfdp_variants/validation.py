@@ -10,17 +10,19 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-# Layers whose output for one example depends on the other examples of the batch.
-MIXING_LAYERS: tuple[type, ...] = (
-    tf.keras.layers.BatchNormalization,
-    tf.keras.layers.experimental.SyncBatchNormalization,
-    tf.compat.v1.keras.layers.BatchNormalization,
-)
+# Layers whose output for one example depends on the other examples of the batch (Keras 2 keeps
+# its synchronized batch normalization under `experimental`; Keras 3 has no `experimental`).
+MIXING_LAYERS: tuple[type, ...] = tuple(
+    {tf.keras.layers.BatchNormalization, tf.compat.v1.keras.layers.BatchNormalization,
+     *(getattr(tf.keras.layers, "experimental", None) and
+       [tf.keras.layers.experimental.SyncBatchNormalization] or [])})
 
 
 def check_model(model: tf.keras.layers.Layer) -> None:
   """Raises ValueError if a layer of `model` mixes examples (per-example privacy breaks)."""
-  for layer in [model, *model.submodules]:
+  layers = ([model, *model.submodules] if hasattr(model, "submodules")  # Keras 2 (a tf.Module).
+            else model._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access
+  for layer in layers:
     if isinstance(layer, MIXING_LAYERS):
       raise ValueError(
           f"Layer '{layer.name}' ({type(layer).__name__}) mixes the examples of a batch: its "

@@ -84,7 +84,7 @@ def run(x, y, test, sigma=None, clip=None, order=None):
   base_cls, dp_cls = BASES[FLAGS.optimizer]
   logits = models.outputs_logits(FLAGS.model)
   if order is None:
-    optimizer, reduction, cbs = base_cls(FLAGS.learning_rate), "auto", []
+    optimizer, reduction, cbs = base_cls(FLAGS.learning_rate), "sum_over_batch_size", []
   else:
     optimizer = dp_cls(l2_norm_clip=clip, noise_multiplier=sigma, order=ORDERS[order],
                        learning_rate=FLAGS.learning_rate)

@@ -22,7 +22,6 @@ from typing import Optional
 
 import dp_accounting
 import tensorflow as tf
-import tensorflow_probability as tfp
 
 from tfdp_variants import accounting
 from tfdp_variants import noise
@@ -178,4 +177,9 @@ class QuantileClip(base.Algorithm):
 
 def quantile_of(norms: tf.Tensor, quantile: float) -> tf.Tensor:
   """The q-quantile of `norms`, interpolated linearly between order statistics (NumPy's default)."""
-  return tfp.stats.percentile(norms, 100.0 * quantile, interpolation="linear")
+  ordered = tf.sort(tf.reshape(norms, [-1]))
+  position = quantile * tf.cast(tf.size(ordered) - 1, ordered.dtype)
+  below = tf.cast(tf.floor(position), tf.int32)
+  above = tf.minimum(below + 1, tf.size(ordered) - 1)
+  fraction = position - tf.floor(position)
+  return ((1.0 - fraction) * tf.gather(ordered, below) + fraction * tf.gather(ordered, above))

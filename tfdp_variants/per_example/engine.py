@@ -38,6 +38,7 @@ class PerExampleGradients:
     self.variables = list(variables)
     self.factors = list(factors)
     self.num_microbatches = num_microbatches
+    self.self_check_flag: Optional[tf.Variable] = None  # Set by `self_check.guard`.
     self._squared_norms = None
 
   @property
@@ -91,6 +92,15 @@ class PerExampleGradients:
     return total
 
 
+def as_tf_variable(var) -> tf.Variable:
+  """`var` if it is a `tf.Variable`, else the `tf.Variable` it wraps as `.value` (a Keras 3
+  variable does); a TypeError for anything else."""
+  inner = var if isinstance(var, tf.Variable) else getattr(var, "value", None)
+  if not isinstance(inner, tf.Variable):
+    raise TypeError(f"Expected a TensorFlow or Keras variable, got {type(var).__name__}: {var!r}.")
+  return inner
+
+
 def microbatch_losses(loss: tf.Tensor,
                       num_microbatches: Optional[int]) -> tuple[tf.Tensor, tf.Tensor]:
   """(M,) mean losses of contiguous microbatches, and M; checks the batch divides into M."""
@@ -121,7 +131,7 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
   wrongly (`rules.PFOR_WRONG`, e.g. a grouped convolution): then one `tf.gradients` per microbatch
   in a while loop (exact, M backward passes).
   """
-  sources = [trace._captured_handle(graph, v) for v in variables]
+  sources = [trace.captured_handle(graph, v) for v in variables]
 
   def one(i):
     grads = tf.gradients(tf.gather(mb_losses, i), sources)
@@ -196,23 +206,24 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
 
   Args:
     loss: per-example losses, computed from the variables in this graph (or recorded by `tape`).
-    variables: the variables to differentiate.
+    variables: the variables to differentiate (`tf.Variable`s, or Keras variables wrapping them).
     num_microbatches: M; None means one microbatch per example.
     tape: the GradientTape that recorded the loss (needed eagerly).
     self_check: in a graph, compare the result with exact gradients on the first step after each
       trace and refuse models that mix examples (`self_check.guard`). Later steps pay one variable
-      read and a `tf.cond`. XLA (jit_compile) needs it off: XLA drops assertions.
+      read and a `tf.cond`. Under XLA (jit_compile), which drops assertions, a failure turns
+      every later result NaN instead of raising (`self_check`).
   """
-  variables = list(variables)
+  variables = [as_tf_variable(v) for v in variables]
   if tf.executing_eagerly():
     return _eager(loss, variables, num_microbatches, tape)
 
   mb_losses, m = microbatch_losses(loss, num_microbatches)
   self_check_lib.refuse_in_loss(mb_losses)
   graph = mb_losses.graph
-  # pylint: disable-next=protected-access
-  handles = [trace._captured_handle(graph, v) for v in variables]
-  uses = [None if h is None else trace.find_uses(h) for h in handles]
+  handles = [trace.captured_handle(graph, v) for v in variables]
+  forward = set(trace.ancestors(mb_losses))
+  uses = [None if h is None else trace.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
   grads = dict(zip((u.op.name for u in fast),
                    tf.gradients(tf.reduce_sum(mb_losses), [u.output for u in fast])))

@@ -14,12 +14,16 @@ The check sits under `tf.cond` on a flag made at trace time, and its backward pa
 inside the cond's branch (`tf.gradients` follows captured tensors into the enclosing graph), so a
 step after the first pays one variable read and the cond.
 
+Under XLA (`jit_compile`, Keras 3's default on GPU), which drops assertions, a failed check cannot
+raise: it sets the trace's flag to "failed" instead, and from then on every result of the engine is
+NaN, so the step trains nothing and leaks nothing, the loss Keras reports turns NaN, and
+the optimizer's `raise_if_self_check_failed` (which the privacy callbacks call) raises with the fix.
+
 What it cannot see, by design: microbatches other than the first and the last; the Gram matrix and
 inner products (NoisyGradient's projected noise), which `tests/test_per_example.py` ties to the
 materialized gradients; variables whose gradient came from a tape loop (exact, no pfor); mixing
 through `tf.stop_gradient`; and, when no float input with the batch on axis 0 enters the step (ids
 only, data closed over as constants), mixing at all: it says so in a log line rather than pass.
-Under XLA, which drops assertions, it refuses to run.
 
 `refuse_batch_statistics` is the static half: it finds batch normalization in training mode among
 the ops the loss depends on and refuses it at trace time, in `tf.function`s and eagerly alike.
@@ -39,6 +43,7 @@ from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import resource_variable_ops
 
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import trace
 
 if TYPE_CHECKING:
   from tfdp_variants.per_example.engine import PerExampleGradients
@@ -84,29 +89,6 @@ def _batch_statistics(op: tf.Operation) -> bool:
   return False
 
 
-def _capture_sources(graph: tf.Graph) -> dict[str, tf.Tensor]:
-  return {internal.name: external for external, internal in getattr(graph, "captures", ())
-          if isinstance(external, tf.Tensor) and hasattr(external, "op")}  # Symbolic only.
-
-
-def _ancestors(t: tf.Tensor) -> Iterator[tf.Operation]:
-  """The ops `t` depends on, following captured tensors into enclosing graphs."""
-  seen, stack, captures = set(), [t.op], {}
-  while stack:
-    op = stack.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    yield op
-    if op.type == "Placeholder":
-      if op.graph not in captures:
-        captures[op.graph] = _capture_sources(op.graph)
-      outer = captures[op.graph].get(op.outputs[0].name)
-      if outer is not None:
-        stack.append(outer.op)
-    stack.extend(x.op for x in op.inputs)
-
-
 def _nested_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
   """The ops of `graph` and of the function bodies its ops call (while loops, conds, calls)."""
   graphs, seen = [graph], set()
@@ -115,13 +97,9 @@ def _nested_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
     for op in g.get_operations():
       yield op
       for attr in _FUNCTION_ATTRS:
-        try:
-          name = op.get_attr(attr).name
-          body = g._get_function(name).graph  # pylint: disable=protected-access
-        except (AttributeError, ValueError, TypeError):
-          continue
-        if name not in seen:
-          seen.add(name)
+        body = trace.function_graph(op, attr)
+        if body is not None and body.name not in seen:
+          seen.add(body.name)
           graphs.append(body)
 
 
@@ -135,7 +113,7 @@ def refuse_batch_statistics(ops: Iterator[tf.Operation]) -> None:
 
 def refuse_in_loss(mb_losses: tf.Tensor) -> None:
   """`refuse_batch_statistics` over the ops the (traced) loss depends on."""
-  refuse_batch_statistics(_ancestors(mb_losses))
+  refuse_batch_statistics(trace.ancestors(mb_losses))
 
 
 def refuse_in_backward(graph: tf.Graph) -> None:
@@ -164,15 +142,16 @@ class _Checked:
   """A factor whose every result waits for the self-check (`done`)."""
 
   factor: F.Factor
-  done: tf.Tensor
+  status: tf.Tensor  # _PASSED, _FAILED (only under XLA), or _NOT_RUN.
 
   @property
   def rule(self) -> str:
     return self.factor.rule
 
   def _after(self, t: tf.Tensor) -> tf.Tensor:
-    with tf.control_dependencies([self.done]):
-      return tf.identity(t)
+    with tf.control_dependencies([self.status]):
+      return t + tf.where(tf.equal(self.status, _FAILED), tf.constant(np.nan, t.dtype),
+                          tf.zeros([], t.dtype))
 
   def squared_norms(self) -> tf.Tensor:
     return self._after(self.factor.squared_norms())
@@ -238,13 +217,12 @@ def _fill(template: str, value: tf.Tensor) -> tf.Tensor:
 
 
 def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
-           data: list[tf.Tensor], batch: tf.Tensor, rtol: float) -> tf.Tensor:
-  """Whether the check ran (the exact gradients are finite), after its assertions; built in the
-  current (branch) graph. A non-finite step is left to `validation.assert_finite` and checked
-  again on the next step."""
+           data: list[tf.Tensor], batch: tf.Tensor, rtol: float, xla: bool) -> tf.Tensor:
+  """The check's status, after its assertions (none under XLA); built in the current (branch)
+  graph. A non-finite step (_NOT_RUN) is left to `validation.assert_finite` and checked again on
+  the next step."""
   m = tf.cast(grads.num_microbatches, tf.int32)
   checked = [k for k, s in enumerate(sources) if s is not None]
-  names = tf.constant([grads.variables[k].name for k in checked] or [""])
   factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
   squared_norms = {k: factors[k].squared_norms() for k in checked}
   exact, leaks, owns, valids = [], [], [], []
@@ -269,15 +247,19 @@ def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[O
   error = _relative_errors(values, q0, q1)  # (variables, 5)
   worst = tf.reduce_max(tf.where(tf.math.is_nan(error), np.inf, error), axis=1)
   bad = tf.logical_not(tf.reduce_all(error <= rtol, axis=1))
-  mismatch = tf.strings.reduce_join(
-      tf.boolean_mask(names, bad) + " (relative error " + tf.strings.as_string(
-          tf.boolean_mask(worst, bad), precision=1, scientific=True) + ")", separator=", ")
   passed = lambda failed: tf.logical_or(tf.logical_not(finite), tf.logical_not(failed))
-  asserts = []
+  failures, mixed = [tf.reduce_any(bad)], None
   if data:
     n = len(data)
     leak, own = tf.reshape(tf.stack(leaks), [2, n]), tf.reshape(tf.stack(owns), [2, n])
     mixed = tf.reduce_any(tf.logical_not(leak <= 1e-6 * own), axis=0)
+    failures.append(tf.reduce_any(mixed))
+  status = tf.where(finite, tf.where(tf.reduce_any(tf.stack(failures)), _FAILED, _PASSED),
+                    _NOT_RUN)
+  if xla:  # XLA has no assertions, prints or strings: the status alone tells.
+    return status
+  asserts = []
+  if data:
     inputs = tf.constant([f"the loss of a microbatch depends on the rows of other microbatches "
                           f"in the input {t.name} of the step" for t in data])
     asserts.append(tf.debugging.Assert(passed(tf.reduce_any(mixed)), [
@@ -290,10 +272,26 @@ def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[O
         return tf.constant(False)
 
     asserts.append(tf.cond(tf.reduce_any(tf.stack(valids)), lambda: tf.constant(True), unchecked))
+  names = tf.constant([grads.variables[k].name for k in checked] or [""])
+  mismatch = tf.strings.reduce_join(
+      tf.boolean_mask(names, bad) + " (relative error " + tf.strings.as_string(
+          tf.boolean_mask(worst, bad), precision=1, scientific=True) + ")", separator=", ")
   with tf.control_dependencies(asserts):
     asserts.append(tf.debugging.Assert(passed(tf.reduce_any(bad)), [_fill(MISMATCH, mismatch)]))
   with tf.control_dependencies(asserts):
-    return tf.identity(finite)
+    return tf.identity(status)
+
+_NOT_RUN, _PASSED, _FAILED = 0, 1, 2
+XLA_FAILED = ("The per-example self-check failed under XLA (jit_compile), which cannot raise in "
+              "the step: the per-example gradients of this model were not exact, or it mixes "
+              "examples. Every update since has been NaN (no training, no leak). Train once with "
+              "jit_compile=False to see which variables or inputs failed.")
+
+
+def failed(flag: tf.Variable) -> bool:
+  """Whether the check whose flag (`PerExampleGradients.self_check_flag`) this is has failed
+  (possible only under XLA: elsewhere a failure raises in the step)."""
+  return int(flag.numpy()) == _FAILED
 
 
 def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
@@ -309,11 +307,7 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
     dtypes: the dtypes the per-example computation ran in; float16 widens the tolerance.
   """
   graph = mb_losses.graph
-  if control_flow_util.GraphOrParentsInXlaContext(graph):
-    raise ValueError(
-        "jit_compile=True: XLA drops in-graph assertions, so the per-example self-check could not "
-        "stop a wrong step. Pass self_check=False to the DP optimizer to train under XLA without "
-        "it, or compile the model with jit_compile=False.")
+  xla = control_flow_util.GraphOrParentsInXlaContext(graph)
   rtol = max(_RTOL.get(d, 1e-3) for d in dtypes)
   data = data_inputs(graph, loss.shape[0])
   if not data:
@@ -321,13 +315,16 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
                     "traced step (%s), so the check for layers that mix examples cannot run; the "
                     "gradient comparison still does.", graph.name)
   with tf.init_scope():  # A fresh flag per trace: every retrace is checked again.
-    done = resource_variable_ops.ResourceVariable(False, trainable=False,
+    flag = resource_variable_ops.ResourceVariable(_NOT_RUN, trainable=False,
                                                   name="per_example_self_check")
 
   def check():
-    return done.assign(_check(grads, mb_losses, sources, data, tf.shape(loss)[0], rtol),
+    return flag.assign(_check(grads, mb_losses, sources, data, tf.shape(loss)[0], rtol, xla),
                        read_value=True)
 
-  ok = tf.cond(done.read_value(), lambda: tf.constant(True), check)
-  return type(grads)(grads.variables, [_Checked(f, ok) for f in grads.factors],
-                     grads.num_microbatches)
+  current = flag.read_value()
+  status = tf.cond(tf.equal(current, _NOT_RUN), check, lambda: current)
+  checked = type(grads)(grads.variables, [_Checked(f, status) for f in grads.factors],
+                        grads.num_microbatches)
+  checked.self_check_flag = flag
+  return checked

@@ -1,0 +1,25 @@
+"""Which tests each stack's CI leg runs (README "Quick start"; `.ci/run`).
+
+The default stack (TF 2.21 + Keras 3) runs every test. The tf-keras and TF 2.15 legs run `-m stack`:
+the files that exercise how the optimizers, the engine and the callbacks meet Keras, where the stacks
+differ; the algorithms' arithmetic, the accountants and the tutorials do not depend on the Keras
+version and run once. The TF 2.15 leg adds `-m tf_privacy`, the parity tests against TF Privacy.
+"""
+
+import pytest
+
+_STACK_FILES = frozenset({
+    "test_callbacks.py", "test_engine_fail_closed.py", "test_fail_closed.py", "test_model_zoo.py",
+    "test_optimizers.py", "test_per_example.py",
+})
+_TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    name = item.path.name
+    if name in _STACK_FILES:
+      item.add_marker(pytest.mark.stack)
+    if name in _TF_PRIVACY_FILES:
+      item.add_marker(pytest.mark.tf_privacy)

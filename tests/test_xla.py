@@ -1,0 +1,74 @@
+"""XLA (`jit_compile=True`, Keras 3's default on GPU): exact steps, and a failed self-check that
+cannot raise in the step still stops training and raises from the privacy callbacks."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+from tfdp_variants import callbacks
+from tfdp_variants import keras_integration
+
+keras = keras_integration.keras
+B, C, LR = 8, 0.5, 0.5
+
+
+class _CenterOverBatch(keras.layers.Layer):
+  """Subtracts the batch mean: every example's output depends on the others."""
+
+  def call(self, x):
+    return x - tf.reduce_mean(x, axis=0)
+
+
+def _model(mix: bool = False) -> keras.Model:
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                           *([_CenterOverBatch()] if mix else []), keras.layers.Dense(3)])
+
+
+def _loss(reduction="none"):
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  return rng.normal(size=(B, 5)).astype("float32"), rng.integers(0, 3, B)
+
+
+def _reference_step(x, y) -> list[np.ndarray]:
+  """One DP-SGD step (σ = 0) by hand: single-example gradients, clipped, averaged."""
+  model = _model()
+  total = [np.zeros(v.shape, np.float32) for v in model.trainable_variables]
+  for i in range(B):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_loss()(y[i:i + 1], model(x[i:i + 1])))
+    grads = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    scale = min(1.0, C / np.sqrt(sum(np.sum(g**2) for g in grads)))
+    total = [t + scale * g for t, g in zip(total, grads)]
+  return [v.numpy() - LR * t / B for v, t in zip(model.trainable_variables, total)]
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_jit_compiled_fit_is_exact(self_check):
+  x, y = _data()
+  model = _model()
+  optimizer = tfdp_variants.DPSGD(C, 0.0, learning_rate=LR, self_check=self_check)
+  model.compile(optimizer=optimizer, loss=_loss(), jit_compile=True)
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  for got, want in zip(model.trainable_variables, _reference_step(x, y)):
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+  assert optimizer.per_example_rules == ("outer", "rowsum", "outer", "rowsum")
+  optimizer.raise_if_self_check_failed()  # Passed: no error.
+
+
+def test_failed_self_check_under_xla_stops_training_and_raises():
+  x, y = _data()
+  model = _model(mix=True)
+  optimizer = tfdp_variants.DPSGD(C, 1.0, learning_rate=LR)
+  model.compile(optimizer=optimizer, loss=_loss(), jit_compile=True)
+  logger = callbacks.PrivacyLogger(num_examples=B, batch_size=B, sampling="shuffle")
+  with pytest.raises(RuntimeError, match="self-check failed under XLA.*jit_compile=False"):
+    model.fit(x, y, batch_size=B, epochs=2, verbose=0, callbacks=[logger])
+  assert all(np.isnan(w).all() for w in model.get_weights())  # NaN updates: nothing learned.
+  with pytest.raises(RuntimeError, match="self-check failed"):
+    optimizer.raise_if_self_check_failed()
