@@ -9,8 +9,9 @@ version and run once. The TF 2.15 leg adds `-m tf_privacy`, the parity tests aga
 import pytest
 
 _STACK_FILES = frozenset({
-    "test_callbacks.py", "test_engine_fail_closed.py", "test_fail_closed.py", "test_model_zoo.py",
-    "test_optimizers.py", "test_per_example.py",
+    "test_any_base_optimizer.py", "test_callbacks.py", "test_engine_fail_closed.py",
+    "test_fail_closed.py", "test_model_zoo.py", "test_optimizers.py", "test_per_example.py",
+    "test_xla.py",
 })
 _TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
 

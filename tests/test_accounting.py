@@ -1,4 +1,5 @@
-"""Tests of tfdp_variants.accounting against TF Privacy, dp_accounting and closed forms."""
+"""Tests of tfdp_variants.accounting against dp_accounting and closed forms (TF Privacy: in
+test_tf_privacy_parity.py)."""
 
 import doctest
 import math
@@ -7,12 +8,10 @@ import dp_accounting
 import pytest
 from scipy import optimize, stats
 import tensorflow as tf
-from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib
-from tensorflow_privacy.privacy.analysis import compute_noise_from_budget_lib
 
 from tfdp_variants import accounting
 
-# Copied from TF Privacy's compute_dp_sgd_privacy (not read from our module).
+# Copied from TF Privacy's compute_dp_sgd_privacy and compute_noise (not read from our module).
 TFP_ORDERS = ([1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5] +
               list(range(5, 64)) + [128, 256, 512])
 DELTA = 1e-5
@@ -34,12 +33,18 @@ def _poisson_gaussian(q, sigma):
       q, dp_accounting.GaussianDpEvent(sigma))
 
 
+def _rdp_epsilon(q, sigma, steps):
+  """ε of `steps` DP-SGD steps by dp_accounting's RDP accountant at TF Privacy's orders: the
+  computation of TF Privacy's compute_dp_sgd_privacy."""
+  return dp_accounting.rdp.RdpAccountant(TFP_ORDERS).compose(
+      _poisson_gaussian(q, sigma), steps).get_epsilon(DELTA)
+
+
 @pytest.mark.parametrize("n,batch_size,sigma,epochs", CONFIGS)
-def test_epsilon_matches_tf_privacy_and_pld_is_tighter(n, batch_size, sigma,
-                                                        epochs):
+def test_epsilon_matches_dp_accounting_and_pld_is_tighter(n, batch_size, sigma,
+                                                           epochs):
   q, steps = _q_steps(n, batch_size, epochs)
-  expected_rdp = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
-      n, batch_size, sigma, epochs, DELTA)[0]
+  expected_rdp = _rdp_epsilon(q, sigma, steps)
   got_rdp = accounting.epsilon(sigma, q, steps, DELTA, method="rdp")
   assert got_rdp == pytest.approx(expected_rdp, rel=1e-9)
 
@@ -93,18 +98,19 @@ def test_zero_noise_is_infinite_and_zero_steps_free(method):
     (60000, 128, 1.0, 5),
     (10000, 100, 8.0, 3),
 ])
-def test_noise_multiplier_for_matches_tf_privacy(n, batch_size, target,
-                                                 epochs):
+def test_noise_multiplier_for_matches_dp_accounting(n, batch_size, target,
+                                                    epochs):
+  """Against dp_accounting's calibration as TF Privacy's compute_noise runs it (noise_lbd=1e-6)."""
   q, steps = _q_steps(n, batch_size, epochs)
-  expected = compute_noise_from_budget_lib.compute_noise(
-      n, batch_size, target, epochs, DELTA, noise_lbd=1e-6)
+  expected = dp_accounting.calibrate_dp_mechanism(
+      lambda: dp_accounting.rdp.RdpAccountant(TFP_ORDERS),
+      lambda s: dp_accounting.SelfComposedDpEvent(_poisson_gaussian(q, s), steps),
+      target, DELTA, dp_accounting.LowerEndpointAndGuess(1e-6, 2e-6))
   sigma = accounting.noise_multiplier_for(target, q, steps, DELTA)
   assert sigma == pytest.approx(expected, rel=0.02)
-  # Round trip, judged by TF Privacy's own epsilon.
-  assert compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
-      n, batch_size, sigma, epochs, DELTA)[0] <= target
-  assert compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
-      n, batch_size, 0.98 * sigma, epochs, DELTA)[0] > target
+  # Round trip, judged by the computation of TF Privacy's compute_dp_sgd_privacy.
+  assert _rdp_epsilon(q, sigma, steps) <= target
+  assert _rdp_epsilon(q, 0.98 * sigma, steps) > target
 
 
 def test_noise_multiplier_for_pld_round_trip():

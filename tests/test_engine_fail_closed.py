@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
+from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 
 L = tf.keras.layers
@@ -77,13 +78,22 @@ def test_fit_with_jit_compile():
   _assert_trained_exactly(model, x, y)
 
 
-def test_jit_compile_with_self_check_is_refused():
-  """XLA drops assertions: the check could not stop a wrong step, so it is refused, not skipped."""
+def test_self_check_under_jit_compile(monkeypatch):
+  """XLA drops assertions: a passing check trains exactly; a failed one turns the updates NaN
+  (nothing trains, nothing leaks) and `raise_if_self_check_failed` raises naming the fix."""
   x, y = _data()
   model = _model()
   model.compile(optimizer=_optimizer(), loss=_LOSS, jit_compile=True)
-  with pytest.raises(ValueError, match="self_check=False"):
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  _assert_trained_exactly(model, x, y)
+  model.optimizer.raise_if_self_check_failed()
+  _break_the_bias_rule(monkeypatch)
+  model, optimizer = _model(), _optimizer()
+  model.compile(optimizer=optimizer, loss=_LOSS, jit_compile=True)
+  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  assert not any(np.isfinite(w).any() for w in model.get_weights())
+  with pytest.raises(RuntimeError, match="failed under XLA.*jit_compile=False"):
+    optimizer.raise_if_self_check_failed()
 
 
 def _minimize(optimizer, model, x, y):
@@ -164,7 +174,8 @@ def test_variable_read_outside_the_loss_graph_is_refused():
 
   @tf.function
   def run():
-    w = kernel.read_value()  # Read in the outer graph; the loop body sees only its value.
+    # Read in the outer graph; the loop body sees only its value.
+    w = keras_integration.tf_variable(kernel).read_value()
     for _ in tf.range(1):
       with tf.GradientTape() as tape:
         loss = _mse(y[:B], tf.matmul(model.layers[0](x[:B]), w) + bias)
@@ -245,7 +256,9 @@ def test_fit_refuses_custom_layer_that_mixes_examples():
   x, y = _images()
   with pytest.raises(tf.errors.InvalidArgumentError, match=_FIX) as error:
     model.fit(x, y, batch_size=B, verbose=0)
-  assert "IteratorGetNext" in str(error.value)  # Names the input whose rows leak.
+  # Names the input whose rows leak: Keras 2's iterator, Keras 3's step function argument.
+  step_input = "data" if keras_integration.KERAS_3 else "IteratorGetNext"
+  assert f"in the input {step_input}:0 of the step" in str(error.value)
 
 
 @pytest.mark.parametrize("layer", [L.LayerNormalization, lambda: L.GroupNormalization(groups=2)])
@@ -259,18 +272,23 @@ def test_per_example_normalization_passes(layer):
 # The self-check itself.
 
 
-def test_self_check_catches_a_wrong_rule(monkeypatch):
-  """A rule that drops one row per microbatch (a misgrouping) is caught and named."""
+def _break_the_bias_rule(monkeypatch) -> None:
+  """Makes the engine's bias rule wrong (a misgrouping): microbatch 0's bias gradient doubled."""
   from tfdp_variants.per_example import engine  # pylint: disable=import-outside-toplevel
   factor = engine._factor
 
   def wrong(use, grad, m, var):
     f = factor(use, grad, m, var)
     if f.rule == "rowsum":
-      f.d = tf.concat([f.d[:1] * 2.0, f.d[1:]], 0)  # Microbatch 0's bias gradient doubled.
+      f.d = tf.concat([f.d[:1] * 2.0, f.d[1:]], 0)
     return f
 
   monkeypatch.setattr(engine, "_factor", wrong)
+
+
+def test_self_check_catches_a_wrong_rule(monkeypatch):
+  """A wrong rule is caught and the variables it feeds are named."""
+  _break_the_bias_rule(monkeypatch)
   x, y = _data()
   model = _model()
   model.compile(optimizer=_optimizer(), loss=_LOSS)

@@ -13,9 +13,14 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
+from tfdp_variants import keras_integration
 
+KERAS_3 = keras_integration.KERAS_3
 L = tf.keras.layers
 B, CLIP, LR = 8, 0.3, 0.5
+keras_2_only = pytest.mark.skipif(KERAS_3, reason="Keras 3 mixed precision is refused (see "
+                                  "test_keras_3_loss_scaling_is_refused)")
+keras_3_only = pytest.mark.skipif(not KERAS_3, reason="a path of Keras 3's optimizer API")
 
 
 def _loss():
@@ -27,10 +32,10 @@ def _data(n=B, seed=0):
   return rng.normal(size=(n, 6)).astype("float32") * 2, rng.integers(0, 3, n)
 
 
-def _model(seed=0, **dense_kwargs):
+def _model(seed=0, cls=tf.keras.Sequential, **dense_kwargs):
   tf.keras.utils.set_random_seed(seed)
-  return tf.keras.Sequential([L.Input((6,)), L.Dense(5, activation="tanh", **dense_kwargs),
-                              L.Dense(3, dtype="float32")])
+  return cls([L.Input((6,)), L.Dense(5, activation="tanh", **dense_kwargs),
+              L.Dense(3, dtype="float32")])
 
 
 def _reference_step(model, x, y, regularizer=None):
@@ -38,7 +43,7 @@ def _reference_step(model, x, y, regularizer=None):
 
   `regularizer()` returns a data-independent loss whose gradient joins the mean clipped one.
   """
-  variables = model.trainable_variables
+  variables = [keras_integration.tf_variable(v) for v in model.trainable_variables]
   total = [tf.zeros_like(v) for v in variables]
   for i in range(len(x)):
     with tf.GradientTape() as tape:
@@ -55,9 +60,9 @@ def _reference_step(model, x, y, regularizer=None):
   return [v.numpy() - LR * t.numpy() for v, t in zip(variables, total)]
 
 
-def _fit_one_step(model, x, y, optimizer=None, **compile_kwargs):
+def _fit_one_step(model, x, y, optimizer=None, loss=None, **compile_kwargs):
   model.compile(optimizer=optimizer or tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR),
-                loss=_loss(), **compile_kwargs)
+                loss=loss or _loss(), **compile_kwargs)
   model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
   return model
 
@@ -65,6 +70,12 @@ def _fit_one_step(model, x, y, optimizer=None, **compile_kwargs):
 def _assert_weights(got, want, rtol=1e-4, atol=1e-6):
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+
+
+def _refuses_raw_gradients(keras_3_reason: str = ""):
+  """pytest.raises for gradients a DP optimizer did not privatize, as each stack words it."""
+  reason = f".*{keras_3_reason}" if KERAS_3 else ""
+  return pytest.raises(RuntimeError, match="did not privatize.*train without privacy" + reason)
 
 
 def _run_fresh(code: str) -> str:
@@ -81,9 +92,11 @@ def _run_fresh(code: str) -> str:
 def test_raw_gradients_are_refused_after_private_steps():
   x, y = _data()
   model = _fit_one_step(_model(), x, y)
+  after_fit = model.get_weights()
   raw = [(tf.ones_like(v), v) for v in model.trainable_variables]
-  with pytest.raises(RuntimeError, match="did not privatize.*train without privacy"):
+  with _refuses_raw_gradients():
     model.optimizer.apply_gradients(raw)
+  _assert_weights(model.get_weights(), after_fit, rtol=0, atol=0)
 
   optimizer = tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
 
@@ -97,25 +110,75 @@ def test_raw_gradients_are_refused_after_private_steps():
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-  with pytest.raises(RuntimeError, match="did not privatize"):
+  with _refuses_raw_gradients("its scale_loss was not given"):
     private_then_raw(x, y)
 
 
-def test_privatized_gradients_pass_unchanged_in_a_custom_loop():
+@pytest.mark.parametrize("api", ["minimize", "compute_and_apply"])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_custom_loop_api_trains_exactly(mode, api):
+  """The documented custom-loop API, on every stack, in a tf.function and eagerly."""
   x, y = _data()
   model, reference = _model(), _model()
   want = _reference_step(reference, x, y)
   optimizer = tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
 
-  @tf.function
   def step(x, y):
     with tf.GradientTape() as tape:
       loss = _loss()(y, model(x, training=True))
-    grads_and_vars = optimizer.compute_gradients(loss, model.trainable_variables, tape)
-    optimizer.apply_gradients(grads_and_vars)
+    if api == "minimize":
+      optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    else:
+      optimizer.apply_gradients(optimizer.compute_gradients(loss, model.trainable_variables, tape))
 
-  step(x, y)
+  (tf.function(step) if mode == "graph" else step)(x, y)
   _assert_weights(model.get_weights(), want)
+
+
+class StepWithoutScaleLoss(tf.keras.Sequential):
+  """A custom train_step of the usual form: the gradient of the summed loss, no scale_loss."""
+
+  def train_step(self, data):
+    x, y = data[:2]
+    with tf.GradientTape() as tape:
+      loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+    grads = tape.gradient(loss, self.trainable_variables)
+    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+    return {}
+
+
+def test_custom_train_step_with_raw_gradients_is_refused():
+  x, y = _data()
+  model = _model(cls=StepWithoutScaleLoss)
+  before = model.get_weights()
+  with _refuses_raw_gradients("its scale_loss was not given.*custom train_step"):
+    _fit_one_step(model, x, y)
+  _assert_weights(model.get_weights(), before, rtol=0, atol=0)
+
+
+def test_loss_reduced_over_the_batch_is_refused():
+  x, y = _data()
+  scalar = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                         reduction="sum_over_batch_size")
+  with pytest.raises(ValueError, match='loss is a scalar.*reduction="none"'):
+    _fit_one_step(_model(), x, y, loss=scalar)
+
+
+@keras_3_only
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_apply_refuses_raw_gradients(mode):
+  x, y = _data()
+  model, optimizer = _model(), tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
+  before = model.get_weights()
+
+  def step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_loss()(y, model(x, training=True)))
+    optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+  with _refuses_raw_gradients():
+    (tf.function(step) if mode == "graph" else step)()
+  _assert_weights(model.get_weights(), before, rtol=0, atol=0)
 
 
 # 6. Model losses: weight regularizers after privatization; batch-computed terms refused.
@@ -139,12 +202,23 @@ def test_weight_regularizers_are_added_after_privatization():
     return tf.keras.Sequential([L.Input((6,)), regularized, last_layer(3)])
 
   model, reference = model_with(_PenalizedDense), model_with(L.Dense)
-  model.add_loss(lambda: 0.1 * tf.reduce_sum(model.layers[0].kernel ** 2))
   first, last = reference.layers
-  want = _reference_step(reference, x, y, lambda: tf.add_n(reference.losses + [
-      0.1 * tf.reduce_sum(first.kernel ** 2), 0.2 * tf.reduce_sum(tf.abs(last.bias))]))
+  terms = [lambda: 0.2 * tf.reduce_sum(tf.abs(last.bias))]
+  if not KERAS_3:  # Keras 2's model-level callable loss (Keras 3 adds losses only in call).
+    model.add_loss(lambda: 0.1 * tf.reduce_sum(model.layers[0].kernel ** 2))
+    terms.append(lambda: 0.1 * tf.reduce_sum(first.kernel ** 2))
+  want = _reference_step(reference, x, y,
+                         lambda: tf.add_n(reference.losses + [term() for term in terms]))
   _assert_weights(_fit_one_step(model, x, y).get_weights(), want)
   assert np.isfinite(model.evaluate(x, y, verbose=0))  # The per-example data loss, averaged.
+
+
+class _PenalizedActivations(L.Layer):
+  """The identity, adding a loss of its inputs (add_loss on activations: it mixes examples)."""
+
+  def call(self, inputs):
+    self.add_loss(0.1 * tf.reduce_mean(inputs))
+    return inputs
 
 
 def test_model_losses_computed_from_the_batch_are_refused():
@@ -152,10 +226,7 @@ def test_model_losses_computed_from_the_batch_are_refused():
   activity = _model(activity_regularizer=tf.keras.regularizers.L2(0.1))
   with pytest.raises(ValueError, match="computed from the batch.*kernel_regularizer"):
     _fit_one_step(activity, x, y)
-  inputs = L.Input((6,))
-  hidden = L.Dense(5)(inputs)
-  model = tf.keras.Model(inputs, L.Dense(3)(hidden))
-  model.add_loss(0.1 * tf.reduce_mean(hidden))
+  model = tf.keras.Sequential([L.Input((6,)), L.Dense(5), _PenalizedActivations(), L.Dense(3)])
   with pytest.raises(ValueError, match="computed from the batch"):
     _fit_one_step(model, x, y)
 
@@ -176,9 +247,11 @@ def mixed_float16():
   tf.keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("base", [tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD])
+@keras_2_only
+@pytest.mark.parametrize("base", ["SGD", "legacy.SGD"])
 def test_mixed_precision_clips_the_unscaled_gradients(mixed_float16, base):
   x, y = _data()
+  base = tf.keras.optimizers.legacy.SGD if base == "legacy.SGD" else tf.keras.optimizers.SGD
   optimizer = tfdp_variants.make_dp_optimizer_class(base)(CLIP, 0.0, learning_rate=LR)
   model = _fit_one_step(_model(), x, y, optimizer)
   assert isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
@@ -194,6 +267,7 @@ def test_mixed_precision_clips_the_unscaled_gradients(mixed_float16, base):
   assert update > 0.1 * LR * CLIP
 
 
+@keras_2_only
 @pytest.mark.parametrize("cls,learning_rate", [(tfdp_variants.DPSGD, 0.2),
                                                (tfdp_variants.DPAdam, 0.01)])
 def test_mixed_precision_trains(mixed_float16, cls, learning_rate):
@@ -208,6 +282,7 @@ def test_mixed_precision_trains(mixed_float16, cls, learning_rate):
   assert logger.epsilon_nominal > 0
 
 
+@keras_2_only
 def test_mixed_precision_skips_an_overflowing_step(mixed_float16):
   x, y = _data()
   model = _model()
@@ -220,11 +295,51 @@ def test_mixed_precision_skips_an_overflowing_step(mixed_float16):
   assert float(optimizer.loss_scale) == 2.0 ** 59 and int(optimizer.iterations) == 1
 
 
+@keras_2_only
 def test_mixed_precision_refuses_raw_gradients(mixed_float16):
   x, y = _data()
   model = _fit_one_step(_model(), x, y, run_eagerly=True)
-  with pytest.raises(RuntimeError, match="did not privatize"):
+  with _refuses_raw_gradients():
     model.optimizer.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
+
+
+@keras_3_only
+@pytest.mark.parametrize("wrapped", ["by_policy", "by_hand"])
+def test_keras_3_loss_scaling_is_refused_in_fit(request, wrapped):
+  """Keras 3's LossScaleOptimizer never passes the loss on: refused, never a non-private step."""
+  optimizer = tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
+  if wrapped == "by_policy":
+    request.getfixturevalue("mixed_float16")  # compile wraps the optimizer.
+  else:
+    optimizer = keras_integration.LossScaleOptimizer(optimizer)
+  x, y = _data()
+  model = _model()
+  before = model.get_weights()
+  with _refuses_raw_gradients("Keras 3's LossScaleOptimizer .*float32"):
+    _fit_one_step(model, x, y, optimizer)
+  assert isinstance(model.optimizer, keras_integration.LossScaleOptimizer)
+  _assert_weights(model.get_weights(), before, rtol=0, atol=0)
+
+
+@keras_3_only
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_keras_3_loss_scaling_is_refused_in_a_custom_loop(mode):
+  """The custom loop Keras 3 documents for a LossScaleOptimizer, around a DP optimizer."""
+  x, y = _data()
+  model = _model()
+  optimizer = keras_integration.LossScaleOptimizer(
+      tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR))
+  before = model.get_weights()
+
+  def step():
+    with tf.GradientTape() as tape:
+      loss = optimizer.scale_loss(_loss()(y, model(x, training=True)))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables))
+
+  with _refuses_raw_gradients():
+    (tf.function(step) if mode == "graph" else step)()
+  _assert_weights(model.get_weights(), before, rtol=0, atol=0)
 
 
 # 8. tf.distribute: refused until distributed DP training exists.
@@ -278,8 +393,18 @@ def test_model_without_trainable_variables_is_refused():
   model = _model()
   for layer in model.layers:
     layer.trainable = False
+  before = model.get_weights()
+  if KERAS_3:  # Keras 3's fit never calls the optimizer then: it warns and trains nothing.
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+      _fit_one_step(model, x, y)
+    _assert_weights(model.get_weights(), before, rtol=0, atol=0)
+  else:
+    with pytest.raises(ValueError, match="no trainable variables"):
+      _fit_one_step(model, x, y)
+  with tf.GradientTape() as tape:
+    loss = _loss()(y, model(x, training=True))
   with pytest.raises(ValueError, match="no trainable variables"):
-    _fit_one_step(model, x, y)
+    tfdp_variants.DPSGD(CLIP, 0.0).minimize(loss, model.trainable_variables, tape=tape)
 
 
 def test_per_timestep_beside_per_example_loss_is_refused():

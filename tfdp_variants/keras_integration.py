@@ -122,26 +122,24 @@ def remember_loss(optimizer, loss) -> None:
     _LOSSES.setdefault(optimizer, weakref.WeakKeyDictionary())[graph] = loss
 
 
-def remembered_loss(optimizer, who: str) -> tf.Tensor:
-  """The loss `remember_loss` kept in the current graph (once), or a ValueError naming the fix."""
-  graph = tf.compat.v1.get_default_graph()
-  loss = _LOSSES.get(optimizer, {}).pop(graph, None) if not tf.executing_eagerly() else None
-  if loss is not None:
-    return loss
+def remembered_loss(optimizer) -> Optional[tf.Tensor]:
+  """The loss `remember_loss` kept in the current graph (handed out once), else None."""
   if tf.executing_eagerly():
-    reason = ("this step runs eagerly (run_eagerly=True), where the loss is gone by the time "
-              "apply_gradients is called. Compile without run_eagerly=True")
-  elif isinstance(validation.training_model() and validation.training_model().optimizer,
-                  LossScaleOptimizer):
-    reason = ("Keras 3's LossScaleOptimizer (mixed precision) scales the loss without passing it "
-              "on. Train in float32 (keras.mixed_precision.set_global_policy('float32'))")
-  else:
-    reason = ("its scale_loss was not given this step's per-example loss (a custom train_step "
-              "that does not call optimizer.scale_loss(loss) inside its GradientTape)")
-  raise ValueError(
-      f"{who} got gradients it cannot privatize: {reason}. In a custom training loop, use "
-      "optimizer.minimize(per_example_loss, var_list, tape=tape), or "
-      "optimizer.apply_gradients(optimizer.compute_gradients(per_example_loss, var_list, tape)).")
+    return None
+  return _LOSSES.get(optimizer, {}).pop(tf.compat.v1.get_default_graph(), None)
+
+
+def why_no_loss() -> str:
+  """Why Keras 3 gave a DP optimizer no per-example loss for this step, and the fix."""
+  model = validation.training_model()
+  if model is not None and isinstance(model.optimizer, LossScaleOptimizer):
+    return ("Keras 3's LossScaleOptimizer (mixed precision) scales the loss without passing it "
+            "on; train in float32 (keras.mixed_precision.set_global_policy('float32'))")
+  if tf.executing_eagerly():
+    return ("an eager step keeps no loss to privatize (in fit: run_eagerly=True, where Keras' "
+            "tape is spent by then; compile without it)")
+  return ("its scale_loss was not given this step's per-example loss (a custom train_step that "
+          "does not call optimizer.scale_loss(loss) inside its GradientTape)")
 
 
 # Ops through which the step's data enters a graph.
@@ -282,6 +280,13 @@ def model_losses_left(model: Optional[keras.Model]) -> list[tf.Tensor]:
 
 
 _keras_compute_loss = keras.Model.compute_loss
+_UNEQUAL_OUTPUT_LOSSES = (
+    "The per-example losses of this model's outputs cannot be added up example by example. A DP "
+    "optimizer needs one loss value per example from each output: a per-timestep loss of shape "
+    "(B, T) beside a per-example one of shape (B,) is ambiguous (Keras 3 would broadcast one "
+    "against the other). Reduce each output's loss to shape (B,), e.g. loss=lambda y, p: "
+    "tf.reduce_mean(seq_loss(y, p), axis=-1) for the sequence output, or give all outputs "
+    "outputs of the same rank.")
 
 
 @functools.wraps(_keras_compute_loss)
@@ -295,18 +300,16 @@ def _compute_loss(self, *args, **kwargs):
   if validation.training_model() is self:
     check_model_losses(self, (x, y, sample_weight))
     _LEFT_TO_OPTIMIZER.add(self)
+  outputs = tf.nest.flatten(y_pred)
+  if KERAS_3 and len({t.shape.rank for t in outputs}) > 1:  # Keras 3 would broadcast their losses.
+    raise ValueError(_UNEQUAL_OUTPUT_LOSSES)
   compiled = self._compile_loss if KERAS_3 else self.compiled_loss  # pylint: disable=protected-access
   try:
     loss = compiled(y, y_pred, sample_weight)
   except ValueError as e:
-    if len(tf.nest.flatten(y_pred)) < 2:
+    if len(outputs) < 2:
       raise
-    raise ValueError(
-        "The per-example losses of this model's outputs could not be added up (error above). A "
-        "DP optimizer needs one loss value per example from each output: a per-timestep loss of "
-        "shape (B, T) beside a per-example one of shape (B,) is ambiguous. Reduce each output's "
-        "loss to shape (B,), e.g. loss=lambda y, p: tf.reduce_mean(seq_loss(y, p), axis=-1) "
-        "for the sequence output, or give all outputs losses of the same shape.") from e
+    raise ValueError(_UNEQUAL_OUTPUT_LOSSES) from e
   if loss is None:
     raise ValueError("A DP optimizer needs a compiled loss: model.compile(loss=...) with "
                      "reduction=\"none\".")
@@ -316,6 +319,36 @@ def _compute_loss(self, *args, **kwargs):
 _compute_loss.tfdp_wrapper = True
 if not getattr(keras.Model.compute_loss, "tfdp_wrapper", False):
   keras.Model.compute_loss = _compute_loss
+
+
+# Layers that mix examples, run eagerly.
+
+_eager_mixing_calls = 0  # Training-mode calls of `validation.MIXING_LAYERS`, eagerly, so far.
+
+
+def eager_mixing_calls() -> int:
+  """How many times a layer that mixes examples (batch normalization) has run eagerly in training
+  mode in this process. An eager step has no graph to check (the self-check needs one), so a DP
+  optimizer refuses an eager step if this count grew since its previous one."""
+  return _eager_mixing_calls
+
+
+def _counting(call):
+  @functools.wraps(call)
+  def wrapper(self, inputs, *args, **kwargs):
+    global _eager_mixing_calls
+    training = kwargs.get("training", args[0] if args else None)
+    if tf.executing_eagerly() and training:
+      _eager_mixing_calls += 1
+    return call(self, inputs, *args, **kwargs)
+  wrapper.tfdp_wrapper = True
+  return wrapper
+
+
+for _layer in validation.MIXING_LAYERS:
+  _owner = next(k for k in _layer.__mro__ if "call" in vars(k))  # Keras 2: a shared base class.
+  if _owner is not keras.layers.Layer and not getattr(_owner.call, "tfdp_wrapper", False):
+    _owner.call = _counting(_owner.call)
 
 
 # Saving.

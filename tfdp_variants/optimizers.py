@@ -164,6 +164,7 @@ class DPOptimizerMixin:
     self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
     self.per_example_rules: Optional[tuple[str, ...]] = None
     self._dp_released: Optional[_Released] = None
+    self._dp_mixing_calls = keras_integration.eager_mixing_calls()
     self._self_check_flags = _Untracked()  # A flag per trace (`per_example.self_check`).
     self._algorithm_built = False
 
@@ -174,6 +175,18 @@ class DPOptimizerMixin:
   @property
   def noise_multiplier(self) -> float:
     return self.algorithm.noise_multiplier
+
+  def _refuse_eager_mixing(self) -> None:
+    """Refuses an eager step after a layer that mixes examples ran eagerly in training mode since
+    this optimizer's previous step (or its creation): no graph, so no self-check, can see it."""
+    calls = keras_integration.eager_mixing_calls()
+    seen, self._dp_mixing_calls = self._dp_mixing_calls, calls
+    if calls > seen:
+      raise ValueError(
+          "A layer that mixes the examples of a batch (BatchNormalization in training mode) ran "
+          "eagerly since this optimizer's last step: per-example gradients, and the privacy "
+          "guarantee with them, are undefined. Use LayerNormalization/GroupNormalization "
+          "instead (or call it with training=False).")
 
   def raise_if_self_check_failed(self) -> None:
     """Raises RuntimeError if the per-example self-check of a step has failed under XLA, where
@@ -285,6 +298,7 @@ class DPOptimizerMixin:
     if model is not None:
       validation.check_model(model)
     if tf.executing_eagerly():
+      self._refuse_eager_mixing()
       logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
                           "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
                           1, type(self).__name__)
@@ -360,16 +374,18 @@ class DPOptimizerMixin:
     validation.check_single_replica(type(self).__name__)
     grads, variables = list(grads), list(variables)
     wrapper = keras_integration.loss_scale_wrapper(self)
-    raw = [v.name for g, v in zip(grads, variables) if g is not None and not (
-        self._dp_released is not None and self._dp_released.accepts(g, v, wrapper))]
+    released = self._dp_released
+    raw = [keras_integration.variable_name(v) for g, v in zip(grads, variables)
+           if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
     if not raw:
       return grads
-    if keras_integration.KERAS_3:
-      loss = keras_integration.remembered_loss(self, f"{type(self).__name__}.apply_gradients")
+    loss = keras_integration.remembered_loss(self) if keras_integration.KERAS_3 else None
+    if loss is not None:  # Keras 3's fit: privatize the loss it gave `scale_loss`.
       return [g for g, _ in self._dp_gradients(loss, variables, None)]
+    why = f" ({keras_integration.why_no_loss()})" if keras_integration.KERAS_3 else ""
     raise RuntimeError(
         f"{type(self).__name__}.apply_gradients was given gradients it did not privatize (for "
-        f"{', '.join(raw)}), which would train without privacy. Pass on, unchanged, the "
+        f"{', '.join(raw)}), which would train without privacy{why}. Pass on, unchanged, the "
         "(gradient, variable) pairs its compute_gradients returned for this step, or call "
         "optimizer.minimize(per_example_loss, var_list, tape=tape), or use model.fit.")
 
