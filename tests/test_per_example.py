@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import engine_helpers
 import tfdp_variants
 from tfdp_variants import per_example
 
@@ -11,14 +12,11 @@ L = tf.keras.layers
 B = 6
 
 
-def _mse(y, y_pred):
-  return tf.reduce_mean(tf.reshape(tf.square(y - y_pred), [tf.shape(y)[0], -1]), axis=1)
-
 
 class _Subclassed(tf.keras.Model):
 
   def __init__(self):
-    super().__init__()
+    super().__init__(name="subclassed")  # Keras 3 refuses a scope named after "_Subclassed".
     self.conv = L.Conv2D(3, 3, activation="relu")
     self.flat = L.Flatten()
     self.out = L.Dense(2)
@@ -44,12 +42,16 @@ def _seq(input_shape, *layers):
   return tf.keras.Sequential([L.Input(input_shape), *layers])
 
 
-def _tied_embedding():
-  ids = L.Input((5,), dtype="int32")
-  emb = L.Embedding(11, 4)
-  h = L.Dense(4, activation="tanh")(emb(ids))  # (B, 5, 4)
-  logits = tf.matmul(h, emb.embeddings, transpose_b=True)  # The table read twice.
-  return tf.keras.Model(ids, L.Lambda(lambda t: t[:, -1])(logits))
+class _TiedEmbedding(tf.keras.Model):
+  """Output logits against the input table: the table read twice (a gather and a matmul)."""
+
+  def __init__(self):
+    super().__init__(name="tied_embedding")
+    self.emb, self.hidden = L.Embedding(11, 4), L.Dense(4, activation="tanh")
+
+  def call(self, ids):
+    h = self.hidden(self.emb(ids))  # (B, 5, 4)
+    return tf.matmul(h, self.emb.embeddings, transpose_b=True)[:, -1]
 
 
 def _floats(*shape):
@@ -84,7 +86,7 @@ ZOO = {
     "shared_layer": (_shared_branches, [_floats(B, 4), _floats(B, 4) + 1.0], None),
     "embedding": (lambda: _seq((5,), L.Embedding(11, 4), L.Flatten(), L.Dense(2)), _ints(B, 5),
                   ["gather", "outer", "rowsum"]),
-    "tied_embedding": (_tied_embedding, _ints(B, 5), None),
+    "tied_embedding": (_TiedEmbedding, _ints(B, 5), None),
     "layer_norm": (lambda: _seq((5,), L.Dense(4), L.LayerNormalization(), L.Dense(2)),
                    _floats(B, 5), ["outer", "rowsum", "fallback", "fallback", "outer", "rowsum"]),
     "lstm_unrolled": (lambda: _seq((4, 3), L.LSTM(5, unroll=True), L.Dense(2)), _floats(B, 4, 3),
@@ -106,7 +108,7 @@ def _reference(model, x, y, num_microbatches):
   out = []
   for i in range(m):
     with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(_mse(y[i * k:(i + 1) * k], model(_slice(x, i * k, (i + 1) * k),
+      loss = tf.reduce_mean(engine_helpers.mse(y[i * k:(i + 1) * k], model(_slice(x, i * k, (i + 1) * k),
                                                              training=True)))
     grads = tape.gradient(loss, model.trainable_variables,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -130,25 +132,13 @@ def test_matches_single_example_gradients(name, num_microbatches):
   model = build()
   model(x)
   y = _floats(*model(x).shape)
-  ours = tfdp_variants.per_example_gradients(model, _mse, x, y, num_microbatches)
+  ours = tfdp_variants.per_example_gradients(model, engine_helpers.mse, x, y, num_microbatches)
   names = [v.name for v in model.trainable_variables]
   _assert_close(ours, _reference(model, x, y, num_microbatches), names)
   if rules is not None:
-    grads = _rules(model, x, y)
+    grads = engine_helpers.rules(model, x, y)
     assert grads == rules
 
-
-def _rules(model, x, y):
-  seen = {}
-
-  @tf.function
-  def run(x, y):
-    losses = _mse(y, model(x, training=True))
-    seen["rules"] = per_example.compute(losses, model.trainable_variables).rules
-    return losses
-
-  run(x, y)
-  return seen["rules"]
 
 
 @pytest.mark.parametrize("name", ["dense_on_3d", "conv1d_all_paddings", "embedding",
@@ -164,7 +154,8 @@ def test_gram_and_dots_equal_materialized_inner_products(name):
 
   @tf.function
   def run():
-    grads = per_example.compute(_mse(y, model(x, training=True)), model.trainable_variables, 3)
+    grads = per_example.compute(engine_helpers.mse(y, model(x, training=True)),
+                                model.trainable_variables, 3)
     return grads.gram(), grads.dots(probe), grads.materialize()
 
   gram, dots, full = run()
@@ -178,7 +169,7 @@ def test_fast_rules_cover_paper_cnn():
   model = _seq((28, 28, 1), L.Conv2D(4, 5, padding="same", activation="relu"), L.MaxPool2D(2),
                L.Conv2D(8, 5, padding="same", activation="relu"), L.MaxPool2D(2), L.Flatten(),
                L.Dense(16, activation="relu"), L.Dense(10))
-  assert _rules(model, _floats(B, 28, 28, 1), _floats(B, 10)) == ["outer", "rowsum"] * 4
+  assert engine_helpers.rules(model, _floats(B, 28, 28, 1), _floats(B, 10)) == ["outer", "rowsum"] * 4
 
 
 @pytest.mark.parametrize("num_microbatches", [None, 2])
@@ -191,7 +182,7 @@ def test_dropout_in_training_mode(num_microbatches):
 
   @tf.function
   def run():
-    losses = _mse(y, model(x, training=True))
+    losses = engine_helpers.mse(y, model(x, training=True))
     ours = per_example.compute(losses, model.trainable_variables, num_microbatches).materialize()
     mb = tf.reduce_mean(tf.reshape(losses, [m, -1]), axis=1)
     ref = [tf.gradients(mb[i], model.trainable_variables) for i in range(m)]
@@ -209,7 +200,8 @@ def test_chunked_materialization_equals_full():
 
   @tf.function
   def run():
-    grads = per_example.compute(_mse(y, model(x, training=True)), model.trainable_variables)
+    grads = per_example.compute(engine_helpers.mse(y, model(x, training=True)),
+                                model.trainable_variables)
     full = grads.materialize()
     tanh_sum = grads.reduce_chunks(lambda gs: [tf.reduce_sum(tf.tanh(g), 0) for g in gs], 4)
     return [tf.reduce_sum(tf.tanh(g), 0) for g in full], tanh_sum, grads.squared_norms(), full

@@ -7,15 +7,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import engine_helpers
 import tfdp_variants
+from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 
 L = tf.keras.layers
 B = 4
 
-
-def _mse(y, y_pred):
-  return tf.reduce_mean(tf.reshape(tf.square(y - y_pred), [tf.shape(y)[0], -1]), axis=1)
 
 
 def _floats(*shape):
@@ -31,10 +30,11 @@ def _seq(input_shape, *layers):
 
 
 class _Table3(L.Layer):
-  """An embedding whose rows are (A, B) matrices: ResourceGather on a rank-3 table."""
+  """An embedding whose rows are (A, B) matrices: a gather on a rank-3 table (ResourceGather on
+  Keras 2, GatherV2 of a read on Keras 3)."""
 
   def build(self, _):
-    self.table = self.add_weight("table", (7, 2, 3))
+    self.table = self.add_weight(name="table", shape=(7, 2, 3))
 
   def call(self, ids):
     return tf.gather(self.table, ids)
@@ -67,10 +67,26 @@ def _time_major_mlp():
   return tf.keras.Model(x, L.Flatten()(L.Lambda(lambda t: tf.transpose(t, [1, 0, 2]))(h)))
 
 
+class _TimeMajorLSTM(L.Layer):
+  """An LSTM cell unrolled over time-major (T, B, K) input: Keras 3's LSTM has no time_major."""
+
+  def __init__(self, units: int):
+    super().__init__()
+    self.units, self.cell = units, L.LSTMCell(units)
+
+  def call(self, x):
+    state = [tf.zeros([tf.shape(x)[1], self.units])] * 2
+    for t in range(x.shape[0]):
+      h, state = self.cell(x[t], state)
+    return h
+
+
 def _lstm_time_major():
   x = L.Input((3, 4))
   h = L.Lambda(lambda t: tf.transpose(t, [1, 0, 2]))(x)
-  return tf.keras.Model(x, L.Dense(2)(L.LSTM(3, time_major=True, unroll=True)(h)))
+  lstm = (_TimeMajorLSTM(3) if keras_integration.KERAS_3 else
+          L.LSTM(3, time_major=True, unroll=True))
+  return tf.keras.Model(x, L.Dense(2)(lstm(h)))
 
 
 def _mha():
@@ -149,24 +165,12 @@ def _reference(model, x, y, m):
   out = []
   for i in range(m):
     with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(_mse(y[i * k:(i + 1) * k], model(x[i * k:(i + 1) * k], training=True)))
+      loss = tf.reduce_mean(engine_helpers.mse(y[i * k:(i + 1) * k], model(x[i * k:(i + 1) * k], training=True)))
     grads = tape.gradient(loss, model.trainable_variables,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     out.append([tf.convert_to_tensor(g) for g in grads])
   return [np.stack([o[v] for o in out]) for v in range(len(model.trainable_variables))]
 
-
-def _rules(model, x, y):
-  seen = {}
-
-  @tf.function
-  def run(x, y):
-    seen["rules"] = per_example.compute(_mse(y, model(x, training=True)),
-                                        model.trainable_variables).rules
-    return 0
-
-  run(x, y)
-  return seen["rules"]
 
 
 def _build(name):
@@ -181,12 +185,12 @@ def _build(name):
 @pytest.mark.parametrize("name", sorted(CONV_GRID) + sorted(OTHER))
 def test_grid_matches_single_example_gradients(name, num_microbatches):
   model, x, y = _build(name)
-  ours = tfdp_variants.per_example_gradients(model, _mse, x, y, num_microbatches)
+  ours = tfdp_variants.per_example_gradients(model, engine_helpers.mse, x, y, num_microbatches)
   ref = _reference(model, x, y, num_microbatches or B)
   for g, r, v in zip(ours, ref, model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
   if name in RULES and num_microbatches is None:
-    assert _rules(model, x, y) == RULES[name]
+    assert engine_helpers.rules(model, x, y) == RULES[name]
 
 
 @pytest.mark.parametrize("name", ["conv2d_g2_s2_same_d1", "conv1d_g2_s1_d2", "conv3d_g2",
@@ -214,4 +218,4 @@ def test_paper_cnn_and_models_stay_on_the_fast_path():
       L.Input((28, 28, 1)), L.Conv2D(4, 5, padding="same", activation="relu"), L.MaxPool2D(2),
       L.Conv2D(8, 5, padding="same", activation="relu"), L.MaxPool2D(2), L.Dropout(0.2),
       L.Flatten(), L.Dense(16, activation="relu"), L.Dense(10)])
-  assert _rules(model, _floats(B, 28, 28, 1), _floats(B, 10)) == ["outer", "rowsum"] * 4
+  assert engine_helpers.rules(model, _floats(B, 28, 28, 1), _floats(B, 10)) == ["outer", "rowsum"] * 4

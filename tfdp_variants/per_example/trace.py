@@ -3,8 +3,9 @@
 Keras 2 runs `train_step` inside a `tf.function`, so when the optimizer is asked for gradients the
 whole forward pass is already a graph. Each trainable variable enters it through a captured resource
 handle; following the handle's consumers tells which ops use the variable. Where every use matches a
-rule of `rules.py` (MatMul, Conv2D, BiasAdd, ResourceGather, possibly behind reshapes or casts) the
-variable takes the fast path; otherwise the exact fallback.
+rule of `rules.py` (MatMul, Conv2D, BiasAdd, ResourceGather or GatherV2 of a read, possibly behind
+reshapes or casts) the variable takes the fast path; otherwise the exact fallback. On Keras 3 the
+backward pass is already in the graph when the optimizer runs; only the loss's ancestors count.
 
 A rule groups the rows of its op's input by example, so it must know that the input has the
 examples on axis 0. `batch_axis` proves it: it tracks the batch axis from the data entering the step
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import tensorflow as tf
 
@@ -31,8 +32,8 @@ _PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast
 class Use:
   """One op that uses a variable and has a per-example rule.
 
-  kind: a key of `rules.RULES` ("matmul", "matmul_t", "conv", "grouped_conv", "bias_add",
-  "gather"); `op` the op; `output` the tensor whose gradient the rule needs.
+  kind: a key of `rules.RULES` ("matmul", "zero_matmul", "conv", "bias_add", "gather",
+  "gather_v2"); `op` the op; `output` the tensor whose gradient the rule needs.
   """
 
   kind: str
@@ -43,7 +44,7 @@ class Use:
     return self.op.outputs[0]
 
 
-def _captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
+def captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
   """The tensor through which `graph` reads `var`'s resource handle; None if it does not read it.
 
   A function graph captures the handle of each variable it reads: the eager handle itself, or the
@@ -58,7 +59,7 @@ def _captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
   seen_as = [handle]
   outer = getattr(graph, "outer_graph", None)
   if outer is not None and hasattr(outer, "captures"):
-    outer_handle = _captured_handle(outer, var)
+    outer_handle = captured_handle(outer, var)
     if outer_handle is not None:
       seen_as.append(outer_handle)
   for external, internal in getattr(graph, "captures", ()):
@@ -71,7 +72,7 @@ def read_outside(graph: tf.Graph, var: tf.Variable) -> bool:
   """Whether a graph enclosing `graph` reads `var` (whose value may then enter `graph` as data)."""
   outer = getattr(graph, "outer_graph", None)
   while outer is not None and hasattr(outer, "captures"):
-    if _captured_handle(outer, var) is not None:
+    if captured_handle(outer, var) is not None:
       return True
     outer = getattr(outer, "outer_graph", None)
   return False
@@ -98,9 +99,19 @@ _DATA = Batch(0)
 Info = Optional[Batch]  # None: unknown (examples may be mixed or reordered).
 
 
-def _const(t: tf.Tensor):
+def constant_value(t: tf.Tensor):
+  """`t`'s value as Python lists and numbers if the graph fixes it, else None."""
   value = tf.get_static_value(t)
   return None if value is None else value.tolist()
+
+
+def function_graph(op: tf.Operation, attr: str = "f") -> Optional[tf.Graph]:
+  """The body of the function that `op`'s attribute `attr` names (a call, loop or branch)."""
+  try:
+    name = op.get_attr(attr).name
+    return op.graph._get_function(name).graph  # pylint: disable=protected-access
+  except (AttributeError, ValueError, TypeError):
+    return None
 
 
 def _rank(t: tf.Tensor) -> Optional[int]:
@@ -192,7 +203,7 @@ def _fused_batch_norm(op: tf.Operation, ins: list[Info]) -> Info:
 def _reduce(op: tf.Operation, ins: list[Info]) -> Info:
   """Reductions over non-batch axes shift the batch axis (unless keep_dims)."""
   b, rank = ins[0].axis, _rank(op.inputs[0])
-  axes = _const(op.inputs[1])
+  axes = constant_value(op.inputs[1])
   if ins[1].axis is not None or axes is None or rank is None:
     return None
   axes = [_norm(a, rank) for a in (axes if isinstance(axes, list) else [axes])]
@@ -232,12 +243,12 @@ def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _transpose(op: tf.Operation, ins: list[Info]) -> Info:
-  perm = _const(op.inputs[1])
+  perm = constant_value(op.inputs[1])
   return None if perm is None or ins[1].axis is not None else Batch(perm.index(ins[0].axis))
 
 
 def _expand_dims(op: tf.Operation, ins: list[Info]) -> Info:
-  d, rank = _const(op.inputs[1]), _rank(op.inputs[0])
+  d, rank = constant_value(op.inputs[1]), _rank(op.inputs[0])
   if d is None or rank is None:
     return None
   d = d[0] if isinstance(d, list) else d
@@ -269,7 +280,7 @@ def _unpack(op: tf.Operation, ins: list[Info]) -> Info:
 
 def _concat(op: tf.Operation, ins: list[Info]) -> Info:
   """ConcatV2 along a non-batch axis of inputs that agree on the batch axis."""
-  axis, rank = _const(op.inputs[-1]), _rank(op.outputs[0])
+  axis, rank = constant_value(op.inputs[-1]), _rank(op.outputs[0])
   axes = {i.axis for i in ins[:-1] if i.axis is not None}
   if axis is None or rank is None or len(axes) != 1 or _norm(axis, rank) in axes:
     return None
@@ -279,7 +290,7 @@ def _concat(op: tf.Operation, ins: list[Info]) -> Info:
 def _split(op: tf.Operation, ins: list[Info]) -> Info:
   """Split (axis first) / SplitV (axis last) along a non-batch axis."""
   axis_t, data = (op.inputs[0], 1) if op.type == "Split" else (op.inputs[2], 0)
-  axis = _const(axis_t)
+  axis = constant_value(axis_t)
   if axis is None or _norm(axis, _rank(op.inputs[data])) == ins[data].axis:
     return None
   return ins[data]
@@ -287,7 +298,7 @@ def _split(op: tf.Operation, ins: list[Info]) -> Info:
 
 def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
   """Whole along the batch axis (stride 1, not shrunk); shrunk axes before it shift it."""
-  b, strides = ins[0].axis, _const(op.inputs[3])
+  b, strides = ins[0].axis, constant_value(op.inputs[3])
   bit = lambda name, i: op.get_attr(name) >> i & 1
   if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask") or strides is None:
     return None
@@ -298,25 +309,25 @@ def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _slice(op: tf.Operation, ins: list[Info]) -> Info:
-  begin, size = _const(op.inputs[1]), _const(op.inputs[2])
+  begin, size = constant_value(op.inputs[1]), constant_value(op.inputs[2])
   b = ins[0].axis
   return ins[0] if begin is not None and size is not None and begin[b] == 0 and size[b] == -1 else None
 
 
 def _pad(op: tf.Operation, ins: list[Info]) -> Info:
-  pads = _const(op.inputs[1])
+  pads = constant_value(op.inputs[1])
   return ins[0] if pads is not None and pads[ins[0].axis] == [0, 0] else None
 
 
 def _tile(op: tf.Operation, ins: list[Info]) -> Info:
-  multiples = _const(op.inputs[1])
+  multiples = constant_value(op.inputs[1])
   return ins[0] if multiples is not None and multiples[ins[0].axis] == 1 else None
 
 
 def _gather(op: tf.Operation, ins: list[Info]) -> Info:
   """GatherV2/ResourceGather: rows of an unbatched table by batched ids, or a non-batch axis."""
   params, ids = ins[0], ins[1]
-  axis = 0 if op.type == "ResourceGather" else _const(op.inputs[2])
+  axis = 0 if op.type == "ResourceGather" else constant_value(op.inputs[2])
   if op.get_attr("batch_dims") != 0 or axis is None:
     return None
   if params.axis is None and ids.axis is not None and _rank(op.inputs[0]) is not None:
@@ -330,14 +341,14 @@ def _gather(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _space_to_batch(op: tf.Operation, ins: list[Info]) -> Info:
-  block = _const(op.inputs[1])
+  block = constant_value(op.inputs[1])
   if ins[0].axis != 0 or ins[0].block or block is None or any(i.axis is not None for i in ins[1:]):
     return None
   return Batch(0, tuple(block))
 
 
 def _batch_to_space(op: tf.Operation, ins: list[Info]) -> Info:
-  block = _const(op.inputs[1])
+  block = constant_value(op.inputs[1])
   if ins[0].axis != 0 or block is None or ins[0].block != tuple(block) or any(
       i.axis is not None for i in ins[1:]):
     return None
@@ -431,11 +442,8 @@ def _placeholder(t: tf.Tensor, memo: dict) -> Info:
 
 def _call_outputs(op: tf.Operation, ins: list[Info]) -> list[Info]:
   """A call op's outputs: its function body analysed with the call's input axes."""
-  try:
-    body = op.graph._get_function(op.get_attr("f").name).graph  # pylint: disable=protected-access
-  except (AttributeError, ValueError):
-    return [None] * len(op.outputs)
-  if len(body.inputs) != len(ins):
+  body = function_graph(op)
+  if body is None or len(body.inputs) != len(ins):
     return [None] * len(op.outputs)
   memo = {"seed": {p.name: i for p, i in zip(body.inputs, ins)}}
   return [_analyse(t, memo) for t in body.outputs]
@@ -509,12 +517,38 @@ def batch_axis(t: tf.Tensor) -> Optional[int]:
 # Uses of a variable.
 
 
-def _uses_of(tensor: tf.Tensor) -> Optional[list[Use]]:
+def _capture_sources(graph: tf.Graph) -> dict[str, tf.Tensor]:
+  return {internal.name: external for external, internal in getattr(graph, "captures", ())
+          if isinstance(external, tf.Tensor) and hasattr(external, "op")}  # Symbolic only.
+
+
+def ancestors(t: tf.Tensor) -> Iterator[tf.Operation]:
+  """The ops `t` depends on, following captured tensors into enclosing graphs."""
+  seen, stack, captures = set(), [t.op], {}
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    yield op
+    if op.type == "Placeholder":
+      if op.graph not in captures:
+        captures[op.graph] = _capture_sources(op.graph)
+      outer = captures[op.graph].get(op.outputs[0].name)
+      if outer is not None:
+        stack.append(outer.op)
+    stack.extend(x.op for x in op.inputs)
+
+
+
+def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
   """Rule-bearing uses of a read of a variable, or None if any use has no rule."""
   uses = []
   for op in tensor.consumers():
+    if op not in forward:
+      continue
     if op.type in _PASS_THROUGH:
-      sub = _uses_of(op.outputs[0])
+      sub = _uses_of(op.outputs[0], forward)
       if sub is None:
         return None
       uses.extend(sub)
@@ -526,13 +560,20 @@ def _uses_of(tensor: tf.Tensor) -> Optional[list[Use]]:
   return uses
 
 
-def find_uses(handle: tf.Tensor) -> Optional[list[Use]]:
-  """Every use of a variable, read through `handle` (`_captured_handle`), if all have per-example
-  rules ([] if the graph never reads it: its gradient is zero); None otherwise (fallback)."""
+def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
+  """Every use of a variable, read through `handle` (`captured_handle`), if all have per-example
+  rules ([] if the loss never reads it: its gradient is zero); None otherwise (fallback).
+
+  Only uses among `forward`, the ops the loss depends on (`ancestors`), count: a backward pass
+  already in the graph (Keras 3 differentiates before its optimizer runs) reads the variables
+  too, but cannot change the loss.
+  """
   uses = []
   for op in handle.consumers():
+    if op not in forward:
+      continue
     if op.type == "ReadVariableOp":
-      sub = _uses_of(op.outputs[0])
+      sub = _uses_of(op.outputs[0], forward)
     else:
       kind = rules.match(op, handle)
       sub = None if kind is None else [Use(kind, op)]

@@ -1,0 +1,162 @@
+"""A zoo of small Keras models: per-example gradients against single-example references.
+
+Each model's per-example gradients (`per_example_gradients`) must equal plain `tf.GradientTape`
+gradients of each example alone; where the fast path is expected, the rule each variable took is
+asserted too. A few models also take one noiseless DPSGD step in `fit`, checked against the mean of
+clipped single-example gradients. Runs on every stack (Keras 2 and 3).
+"""
+
+from typing import Callable, Optional
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import engine_helpers
+import tfdp_variants
+from tfdp_variants import per_example
+
+L = tf.keras.layers
+B = 4
+# Rules of a Dense layer: its kernel (a MatMul) and its bias (a BiasAdd).
+DENSE = ["outer", "rowsum"]
+
+
+
+def _floats(*shape):
+  return tf.random.stateless_normal(shape, seed=[1, len(shape)])
+
+
+def _ints(*shape, high=11):
+  return tf.random.stateless_uniform(shape, seed=[2, 3], maxval=high, dtype=tf.int32)
+
+
+def _seq(input_shape, *layers, dtype="float32"):
+  return tf.keras.Sequential([L.Input(input_shape, dtype=dtype), *layers])
+
+
+def _time_major_embedding():
+  """Ids transposed to (T, B) before the lookup: the table's rows are not example-major."""
+  ids = L.Input((5,), dtype="int32")
+  h = L.Embedding(11, 4)(L.Lambda(lambda t: tf.transpose(t))(ids))  # (T, B, 4)
+  return tf.keras.Model(ids, L.Dense(2)(L.Lambda(lambda t: tf.reduce_mean(t, axis=0))(h)))
+
+
+def _shared_dense():
+  x = L.Input((4,))
+  shared = L.Dense(4, activation="tanh")
+  return tf.keras.Model(x, L.Dense(2)(shared(shared(x))))  # The same kernel read twice in a row.
+
+
+def _transformer_block():
+  """Self-attention (with biases), residuals, LayerNormalization and a feed-forward layer.
+
+  The key projection's bias has a zero gradient (softmax is shift-invariant): there both the
+  engine and the reference are float32 rounding noise, which `atol` absorbs.
+  """
+  x = L.Input((3, 4))
+  h = L.LayerNormalization()(x + L.MultiHeadAttention(2, 2)(x, x))
+  h = L.LayerNormalization()(h + L.Dense(4)(L.Dense(6, activation="relu")(h)))
+  return tf.keras.Model(x, L.Dense(2)(L.GlobalAveragePooling1D()(h)))
+
+
+class _Residual(tf.keras.Model):
+  """A subclassed model: Conv1D, a residual Dense block and a head."""
+
+  def __init__(self):
+    super().__init__(name="residual")
+    self.conv = L.Conv1D(3, 2, activation="relu")
+    self.block, self.head = L.Dense(3, activation="tanh"), L.Dense(2)
+
+  def call(self, x):
+    h = self.conv(x)
+    return self.head(tf.reduce_mean(h + self.block(h), axis=1))
+
+
+# name -> (model builder, inputs, expected rule per variable (None: any; the list None: unchecked)).
+ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] = {
+    "conv2d_dense": (lambda: _seq((6, 6, 2), L.Conv2D(3, 3, activation="relu"), L.MaxPool2D(),
+                                  L.Flatten(), L.Dense(2)),
+                     _floats(B, 6, 6, 2), DENSE * 2),
+    "embedding_pooling": (lambda: _seq((5,), L.Embedding(11, 4), L.GlobalAveragePooling1D(),
+                                       L.Dense(2), dtype="int32"),
+                          _ints(B, 5), ["gather", *DENSE]),
+    # The ids' examples lie on axis 1: the gather rule cannot group rows, the fallback is exact.
+    "embedding_time_major": (_time_major_embedding, _ints(B, 5), ["fallback", *DENSE]),
+    # Looped RNNs: no rule proves a while loop's outputs example-major, the Dense head included.
+    "lstm": (lambda: _seq((4, 3), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3), None),
+    "gru": (lambda: _seq((4, 3), L.GRU(3), L.Dense(2)), _floats(B, 4, 3), None),
+    "shared_dense": (_shared_dense, _floats(B, 4), DENSE * 2),
+    # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
+    "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),
+                       _floats(B, 5, 4), DENSE * 2),
+    # Attention's projections (EinsumDense) and LayerNormalization's scales take the fallback.
+    "transformer_block": (_transformer_block, _floats(B, 3, 4),
+                          [None] * 8 + ["fallback"] * 2 + DENSE * 2 + ["fallback"] * 2 + DENSE),
+    "conv1d": (lambda: _seq((8, 3), L.Conv1D(4, 3, padding="same"), L.Flatten(), L.Dense(2)),
+               _floats(B, 8, 3), DENSE * 2),
+    "depthwise_conv2d": (lambda: _seq((6, 6, 2), L.DepthwiseConv2D(3, depth_multiplier=2),
+                                      L.Flatten(), L.Dense(2)),
+                         _floats(B, 6, 6, 2), ["fallback", "rowsum", *DENSE]),
+    "subclassed": (_Residual, _floats(B, 5, 2), DENSE * 3),
+}
+FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
+       "subclassed"]
+
+
+def _build(name):
+  tf.keras.utils.set_random_seed(0)
+  build, x, rules = ZOO[name]
+  model = build()
+  y = _floats(*model(x).shape)
+  return model, x, y, rules
+
+
+def _single_example_gradients(model, x, y):
+  """(B, *var.shape) per variable: the gradient of each example's loss, one tape each."""
+  out = []
+  for i in range(B):
+    with tf.GradientTape() as tape:
+      loss = engine_helpers.mse(y[i:i + 1], model(x[i:i + 1], training=True))[0]
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    out.append([tf.convert_to_tensor(g).numpy() for g in grads])
+  return [np.stack(g) for g in zip(*out)]
+
+
+def _assert_rules(rules, expected):
+  assert len(rules) == len(expected)
+  assert [r if e is None else e for r, e in zip(rules, expected)] == rules, rules
+
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_per_example_gradients_match_single_examples(name):
+  model, x, y, rules = _build(name)
+  ours = tfdp_variants.per_example_gradients(model, engine_helpers.mse, x, y)
+  ref = _single_example_gradients(model, x, y)
+  assert len(ours) == len(ref)
+  for g, r, v in zip(ours, ref, model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
+  if rules is not None:
+    _assert_rules(engine_helpers.rules(model, x, y), rules)
+
+
+@pytest.mark.parametrize("name", FIT)
+def test_fit_step_is_mean_of_clipped_single_example_gradients(name):
+  """One DPSGD step without noise: w - lr · mean_i clip(g_i), the clip binding."""
+  model, x, y, rules = _build(name)
+  clip, lr = 0.05, 1.0
+  ref = _single_example_gradients(model, x, y)
+  norms = np.linalg.norm(np.concatenate([r.reshape(B, -1) for r in ref], axis=1), axis=1)
+  assert np.all(norms > clip)
+  scale = clip / norms
+  want = [w - lr * np.mean(r * scale.reshape([B] + [1] * (r.ndim - 1)), axis=0)
+          for w, r in zip(model.get_weights(), ref)]
+  optimizer = tfdp_variants.DPSGD(clip, 0.0, learning_rate=lr)
+  model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  for got, w, v in zip(model.get_weights(), want, model.trainable_variables):
+    np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
+  if rules is not None:
+    _assert_rules(list(optimizer.per_example_rules), rules)
