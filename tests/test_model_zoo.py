@@ -14,7 +14,6 @@ import tensorflow as tf
 
 import engine_helpers
 import tfdp_variants
-from tfdp_variants import per_example
 
 L = tf.keras.layers
 B = 4
