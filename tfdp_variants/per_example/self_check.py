@@ -139,10 +139,12 @@ def data_inputs(graph: tf.Graph, batch_size: Optional[int]) -> list[tf.Tensor]:
 
 @dataclasses.dataclass
 class _Checked:
-  """A factor whose every result waits for the self-check (`done`)."""
+  """A factor whose every result waits for the self-check (`status`); under XLA, where a failure
+  cannot raise, every result is NaN once it has failed."""
 
   factor: F.Factor
   status: tf.Tensor  # _PASSED, _FAILED (only under XLA), or _NOT_RUN.
+  xla: bool
 
   @property
   def rule(self) -> str:
@@ -150,6 +152,8 @@ class _Checked:
 
   def _after(self, t: tf.Tensor) -> tf.Tensor:
     with tf.control_dependencies([self.status]):
+      if not self.xla:
+        return tf.identity(t)
       return t + tf.where(tf.equal(self.status, _FAILED), tf.constant(np.nan, t.dtype),
                           tf.zeros([], t.dtype))
 
@@ -324,7 +328,7 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
 
   current = flag.read_value()
   status = tf.cond(tf.equal(current, _NOT_RUN), check, lambda: current)
-  checked = type(grads)(grads.variables, [_Checked(f, status) for f in grads.factors],
+  checked = type(grads)(grads.variables, [_Checked(f, status, xla) for f in grads.factors],
                         grads.num_microbatches)
   checked.self_check_flag = flag
   return checked
