@@ -1,18 +1,36 @@
-"""Step time of the paper CNN under each optimizer, as ratios to the non-private step.
+"""Step time of three models under each optimizer, as ratios to the non-private step.
 
-The CNN of Lin et al. 2020 (conv 32 5×5 same, max-pool 2, conv 64 5×5 same, max-pool 2, dense 1024,
-dense 10; 3.27M parameters) on MNIST-shaped inputs, one example per microbatch, Adam as the base
-optimizer. Every row runs in this process on the same batch, so the ratios compare like with like;
-each row's target (issues 2, 3 and 7) is printed beside it. The first step's time (tracing, and the
-engine's self-check, which runs on the first step after each trace) is shown apart from the
-steady-state median.
+Models (synthetic data, no downloads; Adam as the base optimizer, one example per microbatch):
 
-  python bench/step_time.py [--batch_size=128] [--steps=10] [--skip_tf_privacy] [--only=dpadam,...]
+* `cnn`: the CNN of Lin et al. 2020 (conv 32 5×5 same, max-pool 2, conv 64 5×5 same, max-pool 2,
+  dense 1024, dense 10; 3.27M parameters) on MNIST-shaped inputs, batch 128;
+* `mlp`: Dense only (784 → 512 → 512 → 10), batch 256;
+* `text`: Embedding(10000, 64) over 64 token ids → GlobalAveragePooling1D → Dense(2), batch 256.
+
+Each (model, row) pair is timed in its own process (`--row` and `--model` select one; it prints one
+JSON line), so a row's graphs, caches and memory never slow the next one. This process launches
+them with the same interpreter and prints one markdown table per model: the steady-state median
+ms/step, its ratio to the non-private step and to TF Privacy's fastest row of the same model, the
+first step's time (tracing, and the engine's self-check, which runs on the first step after each
+trace), and the stack. TF Privacy's rows (its DPKerasAdamOptimizer, the vectorized one, and
+DPSequential with the fast gradient clipping layer registry, its best path) run only where
+tensorflow_privacy is installed (the TF 2.15 leg). The CNN's rows show the targets of issues 2, 3
+and 7.
+
+  python bench/step_time.py [--models=cnn,mlp,text] [--batch_size=cnn=64,mlp=512 | --batch_size=64]
+      [--steps=10] [--tf_privacy_steps=2] [--skip_tf_privacy] [--only=dpadam,...]
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import os
+import platform
 import resource
+import subprocess
+import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -20,38 +38,179 @@ from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
-from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras
-from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized
 
 import tfdp_variants
 
-_BATCH = flags.DEFINE_integer("batch_size", 128, "Examples per step.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps for our rows (after 3 warm-up steps).")
-_TFP_STEPS = flags.DEFINE_integer("tf_privacy_steps", 2,
-                                  "Timed steps for TF Privacy's rows (~40 s each on 2 cores), "
-                                  "after 1 warm-up step.")
-_SKIP_TFP = flags.DEFINE_bool("skip_tf_privacy", False, "Leave out TF Privacy's optimizers.")
-_ONLY = flags.DEFINE_list("only", [], "Run only these row keys (and the non-private baseline).")
-
 L = tf.keras.layers
+_NA_TF_PRIVACY = "n/a (needs TF Privacy: TF 2.15 leg)"
 
 
-def paper_cnn() -> tf.keras.Model:
-  return tf.keras.Sequential([
-      L.Input((28, 28, 1)),
-      L.Conv2D(32, 5, padding="same", activation="relu"), L.MaxPool2D(2),
-      L.Conv2D(64, 5, padding="same", activation="relu"), L.MaxPool2D(2),
-      L.Flatten(), L.Dense(1024, activation="relu"), L.Dense(10)])
+class Workload(NamedTuple):
+  description: str
+  layers: Callable[[], list]  # A fresh `Input` and layers, for a Sequential model.
+  data: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+  batch: int
+  targets: bool = False  # Whether the rows' targets (stated for the paper CNN) apply.
 
 
-def time_optimizer(make_optimizer, x, y, steps: int, warmup: int,
-                   reduction: str) -> tuple[float, float]:
-  """(ms of the first step, tracing and the engine's self-check included; median ms per
-  `train_on_batch` step after `warmup` steps)."""
-  tf.keras.utils.set_random_seed(0)
-  model = paper_cnn()
-  model.compile(optimizer=make_optimizer(), loss=tf.keras.losses.SparseCategoricalCrossentropy(
+def _cnn_layers() -> list:
+  return [L.Input((28, 28, 1)),
+          L.Conv2D(32, 5, padding="same", activation="relu"), L.MaxPool2D(2),
+          L.Conv2D(64, 5, padding="same", activation="relu"), L.MaxPool2D(2),
+          L.Flatten(), L.Dense(1024, activation="relu"), L.Dense(10)]
+
+
+def _mlp_layers() -> list:
+  return [L.Input((784,)), L.Dense(512, activation="relu"), L.Dense(512, activation="relu"),
+          L.Dense(10)]
+
+
+def _text_layers() -> list:
+  return [L.Input((64,), dtype="int32"), L.Embedding(10000, 64), L.GlobalAveragePooling1D(),
+          L.Dense(2)]
+
+
+WORKLOADS = {
+    "cnn": Workload("paper CNN", _cnn_layers,
+                    lambda rng, b: (rng.random((b, 28, 28, 1), np.float32), rng.integers(0, 10, b)),
+                    128, targets=True),
+    "mlp": Workload("Dense MLP", _mlp_layers,
+                    lambda rng, b: (rng.random((b, 784), np.float32), rng.integers(0, 10, b)), 256),
+    "text": Workload("Embedding text model", _text_layers,
+                     lambda rng, b: (rng.integers(0, 10000, (b, 64), np.int32),
+                                     rng.integers(0, 2, b)), 256),
+}
+
+_MODELS = flags.DEFINE_list("models", list(WORKLOADS), "Models to time: " + ", ".join(WORKLOADS))
+_BATCH = flags.DEFINE_list("batch_size", [],
+                           "Examples per step: one integer for every model, or model=size pairs; "
+                           "defaults " + ", ".join(f"{k}={w.batch}" for k, w in WORKLOADS.items()))
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per row (after 3 warm-up steps).")
+_TFP_STEPS = flags.DEFINE_integer("tf_privacy_steps", 2,
+                                  "Timed steps for TF Privacy's two optimizers, microbatch loops "
+                                  "(~40 s a step for the CNN on 2 cores), after 1 warm-up step.")
+_SKIP_TFP = flags.DEFINE_bool("skip_tf_privacy", False, "Leave out TF Privacy's rows.")
+_ONLY = flags.DEFINE_list("only", [], "Run only these row keys (and the non-private baseline).")
+_ROW = flags.DEFINE_string("row", None, "Time this one row in this process; print one JSON line.")
+_MODEL = flags.DEFINE_string("model", None, "With --row: the model.")
+
+
+def _dp(b: int) -> dict:
+  return dict(l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=b, learning_rate=1e-3)
+
+
+def _compiled(model: tf.keras.Model, optimizer, reduction: str) -> tf.keras.Model:
+  model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=reduction))
+  return model
+
+
+def _with(make_optimizer: Callable[[int], object]) -> Callable[[list, int], tf.keras.Model]:
+  """A row that trains a Sequential model of `layers` with `make_optimizer(batch)`, a DP optimizer
+  (per-example loss)."""
+  return lambda layers, b: _compiled(tf.keras.Sequential(layers), make_optimizer(b), "none")
+
+
+def _nonprivate(layers: list, b: int) -> tf.keras.Model:
+  del b
+  return _compiled(tf.keras.Sequential(layers), tf.keras.optimizers.Adam(1e-3),
+                   "sum_over_batch_size")
+
+
+# TF Privacy is imported in its rows only: it is installed on the TF 2.15 leg alone.
+# pylint: disable=g-import-not-at-top
+def _tfp_optimizer(b: int):
+  from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras
+  return dp_optimizer_keras.DPKerasAdamOptimizer(**_dp(b))
+
+
+def _tfp_vectorized(b: int):
+  from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized
+  return dp_optimizer_keras_vectorized.VectorizedDPKerasAdamOptimizer(**_dp(b))
+
+
+def _tfp_dp_sequential(layers: list, b: int) -> tf.keras.Model:
+  """TF Privacy's DPSequential with the fast clipping registry (Dense, Embedding), per example;
+  a model with another trainable layer takes its vectorized_map path."""
+  del b
+  from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+  from tensorflow_privacy.privacy.keras_models import dp_keras_model
+  model = dp_keras_model.DPSequential(
+      l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=None,
+      layer_registry=layer_registry.make_default_layer_registry(), layers=layers)
+  return _compiled(model, tf.keras.optimizers.Adam(1e-3), "sum_over_batch_size")
+# pylint: enable=g-import-not-at-top
+
+
+class Row(NamedTuple):
+  key: str
+  label: str
+  build: Callable[[list, int], tf.keras.Model]  # (layers, batch size) -> compiled model.
+  target: Optional[float] = None  # Largest allowed ratio to the non-private step (paper CNN).
+  tf_privacy: bool = False
+  slow: bool = False  # Timed for --tf_privacy_steps after 1 warm-up step.
+
+
+def rows() -> list[Row]:
+  adam = tf.keras.optimizers.Adam
+  make = tfdp_variants.make_dp_optimizer_class
+  return [
+      Row("nonprivate", "non-private Adam", _nonprivate),
+      Row("dpadam", "DPAdam (DP-SGD)", _with(lambda b: tfdp_variants.DPAdam(**_dp(b))), 2.1),
+      Row("dpadam_nocheck", "DPAdam, self_check=False",
+          _with(lambda b: tfdp_variants.DPAdam(self_check=False, **_dp(b))), 2.1),
+      Row("piadam", "PIAdam (PIGDO)", _with(lambda b: make(adam, "pigdo")(**_dp(b))), 3),
+      Row("layered", "LayeredClipAdam (ICGC-DP)",
+          _with(lambda b: make(adam, "layered_clip")(total_steps=1000, **_dp(b))), 3),
+      Row("adaptive", "AdaptiveClipAdam (three tools)",
+          _with(lambda b: make(adam, "adaptive_clip")(**_dp(b))), 3),
+      Row("quantile", "QuantileClipAdam direct, flat",
+          _with(lambda b: make(adam, "quantile_clip")(**_dp(b))), 3),
+      Row("quantile_geo", "QuantileClipAdam geometric, per-layer",
+          _with(lambda b: make(adam, "quantile_clip")(method="geometric", per_layer=True,
+                                                      expected_num_records=b, **_dp(b))), 3),
+      Row("ng_ac", "NoisyGradientAdam AC (noise, then clip)",
+          _with(lambda b: make(adam, "noisy_gradient")(**_dp(b))), 12),
+      Row("tanh", "TanhFilterAdam", _with(lambda b: make(adam, "tanh_filter")(**_dp(b))), 12),
+      Row("tfp", "TF Privacy DPKerasAdamOptimizer", _with(_tfp_optimizer), tf_privacy=True,
+          slow=True),
+      Row("tfp_vec", "TF Privacy VectorizedDPKerasAdamOptimizer", _with(_tfp_vectorized),
+          tf_privacy=True, slow=True),
+      Row("tfp_fast", "TF Privacy DPSequential, fast clipping registry", _tfp_dp_sequential,
+          tf_privacy=True),
+  ]
+
+
+def _row(key: str) -> Row:
+  return next(r for r in rows() if r.key == key)
+
+
+def batch_sizes(values: list[str]) -> dict[str, int]:
+  """Batch size per model: the defaults, overridden by `values` ("64" for all, or "cnn=64")."""
+  sizes = {name: w.batch for name, w in WORKLOADS.items()}
+  for value in values:
+    name, _, size = value.rpartition("=")
+    if name and name not in sizes:
+      raise app.UsageError(f"--batch_size: unknown model {name!r}")
+    for n in [name] if name else list(sizes):
+      sizes[n] = int(size)
+  return sizes
+
+
+def _fast_clipping_note(model: tf.keras.Model) -> str:
+  """For TF Privacy's DP models: which gradient clipping path this model takes."""
+  fast = getattr(model, "_enable_fast_peg_computation", None)  # Set by DPModel's constructor.
+  if fast is None:
+    return ""
+  return "fast clipping" if fast else "a layer is not in the registry: vectorized_map path"
+
+
+def time_row(row: Row, workload: Workload, b: int, steps: int, warmup: int) -> dict:
+  """The row's times on one model: first step (tracing and self-check included), median ms per
+  `train_on_batch` step after `warmup` steps, peak resident memory of this process."""
+  tf.keras.utils.set_random_seed(0)
+  x, y = workload.data(np.random.default_rng(0), b)
+  model = row.build(workload.layers(), b)
   start = time.perf_counter()
   model.train_on_batch(x, y)
   first = time.perf_counter() - start
@@ -62,76 +221,104 @@ def time_optimizer(make_optimizer, x, y, steps: int, warmup: int,
     start = time.perf_counter()
     model.train_on_batch(x, y)
     times.append(time.perf_counter() - start)
-  return 1e3 * first, 1e3 * float(np.median(times))
+  return dict(ms=1e3 * float(np.median(times)), first_ms=1e3 * first, params=model.count_params(),
+              peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+              note=_fast_clipping_note(model))
 
 
-class Row(NamedTuple):
-  key: str
-  label: str
-  make: Callable[[], tf.keras.optimizers.Optimizer]
-  target: Optional[float] = None  # Largest allowed ratio to the non-private step.
-  tf_privacy: bool = False
+def run_one_row() -> None:
+  """Child: time --row on --model and print its result as one JSON line."""
+  row = _row(_ROW.value)
+  steps, warmup = (_TFP_STEPS.value, 1) if row.slow else (_STEPS.value, 3)
+  b = batch_sizes(_BATCH.value)[_MODEL.value]
+  print(json.dumps(time_row(row, WORKLOADS[_MODEL.value], b, steps, warmup)), flush=True)
 
 
-def rows(b: int) -> list[Row]:
-  dp = dict(l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=b, learning_rate=1e-3)
-  adam = tf.keras.optimizers.Adam
-  make = tfdp_variants.make_dp_optimizer_class
-  return [
-      Row("nonprivate", "non-private Adam", lambda: adam(1e-3)),
-      Row("dpadam", "DPAdam (DP-SGD)", lambda: tfdp_variants.DPAdam(**dp), 2.1),
-      Row("dpadam_nocheck", "DPAdam, self_check=False",
-          lambda: tfdp_variants.DPAdam(self_check=False, **dp), 2.1),
-      Row("piadam", "PIAdam (PIGDO)", lambda: make(adam, "pigdo")(**dp), 3),
-      Row("layered", "LayeredClipAdam (ICGC-DP)",
-          lambda: make(adam, "layered_clip")(total_steps=1000, **dp), 3),
-      Row("adaptive", "AdaptiveClipAdam (three tools)",
-          lambda: make(adam, "adaptive_clip")(**dp), 3),
-      Row("quantile", "QuantileClipAdam direct, flat",
-          lambda: make(adam, "quantile_clip")(**dp), 3),
-      Row("quantile_geo", "QuantileClipAdam geometric, per-layer",
-          lambda: make(adam, "quantile_clip")(method="geometric", per_layer=True,
-                                              expected_num_records=b, **dp), 3),
-      Row("ng_ac", "NoisyGradientAdam AC (noise, then clip)",
-          lambda: make(adam, "noisy_gradient")(**dp), 12),
-      Row("tanh", "TanhFilterAdam", lambda: make(adam, "tanh_filter")(**dp), 12),
-      Row("tfp", "TF Privacy DPKerasAdamOptimizer",
-          lambda: dp_optimizer_keras.DPKerasAdamOptimizer(**dp), tf_privacy=True),
-      Row("tfp_vec", "TF Privacy VectorizedDPKerasAdamOptimizer",
-          lambda: dp_optimizer_keras_vectorized.VectorizedDPKerasAdamOptimizer(**dp),
-          tf_privacy=True),
-  ]
+def launch(row: Row, model: str, b: int) -> dict:
+  """Parent: time `row` on `model` in a fresh process; its JSON result, or {"error": ...}."""
+  command = [sys.executable, os.path.abspath(__file__), f"--row={row.key}", f"--model={model}",
+             f"--batch_size={b}", f"--steps={_STEPS.value}",
+             f"--tf_privacy_steps={_TFP_STEPS.value}"]
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+  done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+  lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+  if done.returncode or not lines:
+    print(f"--- {model} / {row.key} failed; its stderr ends:\n{done.stderr[-3000:]}",
+          file=sys.stderr)
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    return {"error": f"failed (exit {done.returncode}): " + last[:120].replace("|", "/")}
+  return json.loads(lines[-1])
+
+
+def stack() -> str:
+  """TensorFlow, the Keras behind `tf.keras` (keras or tf_keras) and Python versions."""
+  keras_package = tf.keras.__name__.partition(".")[0]
+  keras_version = importlib.import_module(keras_package).__version__
+  return (f"TF {tf.__version__}, Keras {keras_version} ({keras_package}), "
+          f"Python {platform.python_version()}")
+
+
+def _ratio(ms: float, base: Optional[float]) -> str:
+  return f"{ms / base:.2f}" if base else ""
+
+
+def table(model: str, b: int, todo: list[Row], results: dict[str, dict]) -> list[str]:
+  """The markdown table of one model's rows."""
+  ms = {k: r["ms"] for k, r in results.items() if "ms" in r}
+  tfp = {k: v for k, v in ms.items() if _row(k).tf_privacy}
+  best = min(tfp, key=tfp.get) if tfp else None
+  params = next((f"{r['params']:,}" for r in results.values() if "params" in r), "?")
+  lines = [f"### {model}: {WORKLOADS[model].description} ({params} parameters), "
+           f"batch {b}" + (f"; TF Privacy best: {_row(best).label}" if best else ""), "",
+           "| optimizer | ms/step | × non-private | × TF Privacy best | target | first step, ms "
+           "| peak RSS, GiB | note |", "|---|---:|---:|---:|---|---:|---:|---|"]
+  for row in todo:
+    result = results[row.key]
+    if "ms" not in result:
+      lines.append(f"| {row.label} | {result.get('na') or result.get('error')} | | | | | | |")
+      continue
+    ratio = _ratio(result["ms"], ms.get("nonprivate"))
+    target = ""
+    if row.target is not None and WORKLOADS[model].targets and ratio:
+      target = f"≤ {row.target}× {'met' if float(ratio) <= row.target else 'MISSED'}"
+    lines.append(f"| {row.label} | {result['ms']:.1f} | {ratio} | "
+                 f"{_ratio(result['ms'], ms.get(best))} | {target} | {result['first_ms']:.0f} | "
+                 f"{result['peak_gib']:.2f} | {result['note']} |")
+  return lines
+
+
+def run_all() -> None:
+  """Parent: launch every (model, row) in its own process, then print the tables."""
+  for flag, known in ((_MODELS, WORKLOADS), (_ONLY, [r.key for r in rows()])):
+    if set(flag.value) - set(known):
+      raise app.UsageError(f"--{flag.name}: unknown {sorted(set(flag.value) - set(known))}")
+  sizes = batch_sizes(_BATCH.value)
+  has_tfp = importlib.util.find_spec("tensorflow_privacy") is not None
+  todo = [r for r in rows() if (not _ONLY.value or r.key in _ONLY.value or r.key == "nonprivate")
+          and not (r.tf_privacy and _SKIP_TFP.value)]
+  print(f"Stack: {stack()}; one example per microbatch; {_STEPS.value} timed steps per row "
+        f"({_TFP_STEPS.value} for TF Privacy's optimizers); each row in its own process",
+        flush=True)
+  out = []
+  for model in _MODELS.value:
+    results = {}
+    for row in todo:
+      results[row.key] = ({"na": _NA_TF_PRIVACY} if row.tf_privacy and not has_tfp
+                          else launch(row, model, sizes[model]))
+      shown = f"{results[row.key]['ms']:.1f} ms/step" if "ms" in results[row.key] else ""
+      print(f"  {model} / {row.label}: {shown or next(iter(results[row.key].values()))}",
+            flush=True)
+    out += ["", *table(model, sizes[model], todo, results)]
+  print(f"\nStack: {stack()}")
+  print("\n".join(out))
 
 
 def main(argv):
   del argv
-  b = _BATCH.value
-  rng = np.random.default_rng(0)
-  x = rng.random((b, 28, 28, 1), dtype=np.float32)
-  y = rng.integers(0, 10, b)
-  todo = [r for r in rows(b) if (not _ONLY.value or r.key in _ONLY.value or r.key == "nonprivate")
-          and not (r.tf_privacy and _SKIP_TFP.value)]
-  print(f"Paper CNN ({paper_cnn().count_params():,} parameters), batch {b}, one example per "
-        f"microbatch, {tf.config.threading.get_intra_op_parallelism_threads() or 'all'} threads")
-  ms, first = {}, {}
-  for row in todo:
-    steps, warmup = (_TFP_STEPS.value, 1) if row.tf_privacy else (_STEPS.value, 3)
-    first[row.key], ms[row.key] = time_optimizer(row.make, x, y, steps, warmup,
-                                                 "auto" if row.key == "nonprivate" else "none")
-    print(f"  measured {row.label}: {ms[row.key]:.1f} ms/step, first step {first[row.key]:.0f} ms",
-          flush=True)
-  base, ours = ms["nonprivate"], ms.get("dpadam")
-  print("\n| optimizer | ms/step | × non-private step | target | × DPAdam step | first step, ms |")
-  print("|---|---:|---:|---|---:|---:|")
-  for row in todo:
-    ratio = ms[row.key] / base
-    target = "" if row.target is None else (
-        f"≤ {row.target}× {'met' if ratio <= row.target else 'MISSED'}")
-    vs_ours = f"{ms[row.key] / ours:.1f}" if ours else ""
-    print(f"| {row.label} | {ms[row.key]:.1f} | {ratio:.2f} | {target} | {vs_ours} | "
-          f"{first[row.key]:.0f} |")
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-  print(f"\nPeak resident memory of this process: {peak:.2f} GiB")
+  if _ROW.value:
+    run_one_row()
+  else:
+    run_all()
 
 
 if __name__ == "__main__":
