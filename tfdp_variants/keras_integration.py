@@ -1,8 +1,8 @@
 """Where the DP optimizers meet Keras: the one module that knows which Keras it serves.
 
 Three stacks run the same engine and algorithms (SPEC §7): TF 2.21 with Keras 3 (the default),
-TF 2.21 with tf-keras (`TF_USE_LEGACY_KERAS=1`) and TF 2.15 with Keras 2. `tf.keras` is Keras 3 on the
-first and Keras 2 on the others; everything that differs between them is here:
+TF 2.21 with tf-keras (`TF_USE_LEGACY_KERAS=1`) and TF 2.15 with Keras 2. `tf.keras` is Keras 3 on
+the first and Keras 2 on the others; everything that differs between them is here:
 
 * How a step reaches the optimizer. Keras 2's `fit` calls `optimizer.minimize(loss, var_list,
   tape)`, so a DP optimizer computes its gradients from the per-example loss itself. Keras 3's
@@ -303,7 +303,8 @@ def _compute_loss(self, *args, **kwargs):
   outputs = tf.nest.flatten(y_pred)
   if KERAS_3 and len({t.shape.rank for t in outputs}) > 1:  # Keras 3 would broadcast their losses.
     raise ValueError(_UNEQUAL_OUTPUT_LOSSES)
-  compiled = self._compile_loss if KERAS_3 else self.compiled_loss  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  compiled = self._compile_loss if KERAS_3 else self.compiled_loss
   try:
     loss = compiled(y, y_pred, sample_weight)
   except ValueError as e:

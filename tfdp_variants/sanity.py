@@ -96,8 +96,8 @@ def _train_pair(model_fn: ModelFn, optimizer: optimizers.DPOptimizerMixin, loss,
   dp_model = model_fn()
   init = dp_model.get_weights()
   models = []
-  for model, opt, model_loss in ((dp_model, optimizer, loss),
-                                 (model_fn(), non_private_twin(optimizer), keras_integration.mean_reduced(loss))):
+  twin = (model_fn(), non_private_twin(optimizer), keras_integration.mean_reduced(loss))
+  for model, opt, model_loss in ((dp_model, optimizer, loss), twin):
     tf.keras.utils.set_random_seed(seed)
     model.set_weights(init)
     data = (tf.data.Dataset.from_tensor_slices(groups)
