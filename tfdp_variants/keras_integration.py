@@ -46,6 +46,7 @@ import tensorflow as tf
 from tfdp_variants import validation
 from tfdp_variants import per_example
 from tfdp_variants.per_example import PerExampleGradients
+from tfdp_variants.per_example import trace
 
 KERAS_3 = hasattr(tf.keras, "ops")  # Keras 2 (TF 2.15's, tf-keras) has no `keras.ops`.
 # Keras 3 itself (TF 2.21's `tf.keras` is a reduced view of it, without `keras.saving`), or Keras 2:
@@ -234,18 +235,9 @@ def _depends_on_data(tensor: tf.Tensor, data: Sequence[tf.Tensor]) -> bool:
   than a variable handle (so a term of unclear origin counts as data: refused, not trusted).
   """
   data_ops = {t.op for t in data}
-  seen, stack = set(), [tensor.op]
-  while stack:
-    op = stack.pop()
-    if op in seen:
-      continue
-    seen.add(op)
-    if (op in data_ops or op.type in _DATA_OPS
-        or (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource)):
-      return True
-    stack.extend(t.op for t in op.inputs)
-    stack.extend(op.control_inputs)
-  return False
+  return any(op in data_ops or op.type in _DATA_OPS
+             or (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource)
+             for op in trace.ancestors(tensor))
 
 
 def check_model_losses(model: keras.Model, data) -> None:
