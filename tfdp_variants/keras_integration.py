@@ -38,13 +38,15 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 import weakref
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from tfdp_variants import validation
 from tfdp_variants import per_example
+from tfdp_variants import replicas
+from tfdp_variants import validation
 from tfdp_variants.per_example import PerExampleGradients
 from tfdp_variants.per_example import trace
 
@@ -111,23 +113,53 @@ def steps_per_execution(model: keras.Model, who: str) -> int:
   return int(model.steps_per_execution.numpy())
 
 
+def check_aggregated(who: str, apply_gradients: Callable, args: tuple, kwargs: dict) -> None:
+  """Raises ValueError for a Keras 2 `apply_gradients(grads_and_vars, *args, **kwargs)` call that
+  would not sum the replicas' gradients (`skip_gradients_aggregation=True`, legacy
+  `experimental_aggregate_gradients=False`) under a strategy of several replicas: each would
+  apply its own share of the step, with a 1/√R share of its noise (`replicas`)."""
+  if replicas.count() == 1:
+    return
+  arguments = inspect.signature(apply_gradients).bind(None, *args, **kwargs).arguments
+  aggregate = arguments.get("experimental_aggregate_gradients",
+                            arguments.get("kwargs", {}).get("experimental_aggregate_gradients",
+                                                            True))
+  if arguments.get("skip_gradients_aggregation", False) or not aggregate:
+    raise ValueError(
+        f"{who}.apply_gradients was asked not to sum the gradients over the {replicas.count()} "
+        "replicas: each replica's gradient is only its share of the DP step (its examples and "
+        "1/√R of the noise). Let apply_gradients aggregate them (the default).")
+
+
 # Keras 3: the per-example loss of a step, from `scale_loss` to `apply`.
 
-_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {graph: loss}
+# optimizer -> {graph: {thread: loss}}; MirroredStrategy traces each replica in its own thread.
+_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# graph -> {id(loss / R): (weak reference to loss / R, loss)}, from `_compute_loss`.
+_REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def remember_loss(optimizer, loss) -> None:
-  """Keeps the loss Keras 3's `train_step` passes to `optimizer.scale_loss` for this graph."""
+  """Keeps the loss Keras 3's `train_step` passes to `optimizer.scale_loss` for this graph (and
+  replica), undivided by the replicas if `compute_loss` divided it."""
   graph = getattr(loss, "graph", None)
+  reported, undivided = _REPLICA_SCALED.get(graph, {}).pop(id(loss), (None, None))
+  if reported is not None and reported() is loss:
+    loss = undivided
   if graph is not None:
-    _LOSSES.setdefault(optimizer, weakref.WeakKeyDictionary())[graph] = loss
+    graphs = _LOSSES.setdefault(optimizer, weakref.WeakKeyDictionary())
+    graphs.setdefault(graph, {})[threading.get_ident()] = loss
 
 
 def remembered_loss(optimizer) -> Optional[tf.Tensor]:
-  """The loss `remember_loss` kept in the current graph (handed out once), else None."""
+  """The loss `remember_loss` kept in the current graph and replica (handed out once), else
+  None."""
   if tf.executing_eagerly():
     return None
-  return _LOSSES.get(optimizer, {}).pop(tf.compat.v1.get_default_graph(), None)
+  losses = _LOSSES.get(optimizer, {}).get(tf.compat.v1.get_default_graph(), {})
+  return losses.pop(threading.get_ident(), None)
 
 
 def why_no_loss() -> str:
@@ -306,12 +338,53 @@ def _compute_loss(self, *args, **kwargs):
   if loss is None:
     raise ValueError("A DP optimizer needs a compiled loss: model.compile(loss=...) with "
                      "reduction=\"none\".")
+  if KERAS_3 and replicas.count() > 1:
+    # Keras 3 reports R times each replica's loss (its reduced losses come divided by R): divided
+    # here for its metric, the loss itself is what `remember_loss` keeps for the gradients.
+    reported = loss * tf.cast(1 / replicas.count(), loss.dtype)
+    _REPLICA_SCALED.setdefault(loss.graph, {})[id(reported)] = (weakref.ref(reported), loss)
+    return reported
   return loss
 
 
 _compute_loss.tfdp_wrapper = True
 if not getattr(keras.Model.compute_loss, "tfdp_wrapper", False):
   keras.Model.compute_loss = _compute_loss
+
+
+# Keras 3 under a strategy: building the model from the first batch.
+
+
+def _one_replica(value):
+  """A distributed value's part on the first local replica; any other value unchanged."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return tf.distribute.get_strategy().experimental_local_results(value)[0]
+  return value
+
+
+if KERAS_3:
+  _keras_symbolic_build = keras.Model._maybe_symbolic_build  # pylint: disable=protected-access
+
+  @functools.wraps(_keras_symbolic_build)
+  def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """Keras 3's, built from one replica's part of the first batch for a DP model. Keras
+    averages the replicas' parts with `strategy.reduce`, which fails when they differ in size (a
+    first batch that does not split evenly, as Poisson sampling gives) and under
+    MultiWorkerMirroredStrategy (it takes no nested batch there); the build needs only their
+    shapes. (Keras 3's fit fails later under MultiWorkerMirroredStrategy all the same, for any
+    optimizer: tensorflow/tensorflow#72388; custom loops work.)"""
+    if (iterator is None or not _is_dp(getattr(self, "optimizer", None))
+        or self._distribute_strategy is None):  # pylint: disable=protected-access
+      return _keras_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+    with self.distribute_strategy.scope():
+      for _, _, batches in iterator:
+        data_batch = tf.nest.map_structure(_one_replica, next(batches))
+        break
+    return _keras_symbolic_build(self, data_batch=data_batch)
+
+  _maybe_symbolic_build.tfdp_wrapper = True
+  if not getattr(keras.Model._maybe_symbolic_build, "tfdp_wrapper", False):  # pylint: disable=protected-access
+    keras.Model._maybe_symbolic_build = _maybe_symbolic_build  # pylint: disable=protected-access
 
 
 # Layers that mix examples, run eagerly.

@@ -39,6 +39,8 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from tfdp_variants import replicas
+
 
 class NoiseSource:
   """The generator every DP noise draw of one optimizer comes from.
@@ -127,14 +129,26 @@ class GaussianSumQuery:
   replace_sensitivity: float = 2.0
 
   def __call__(self, tensors: Sequence[tf.Tensor], scale) -> list[tf.Tensor]:
-    """t + N(0, (σ·scale)² I) for each tensor; `scale` is one value (or tensor) or one per tensor.
+    """t + N(0, (σ·scale)² I) for each sum of records; `scale` is one value (or tensor), or one
+    per tensor, the same on every replica.
 
+    Under a tf.distribute strategy of R replicas, `tensors` are this replica's part of the sums
+    and get N(0, (σ·scale)²/R I), its share of the noise (`tfdp_variants.replicas`): the parts'
+    total, which Keras' all-reduce (or `replicas.sum_across`) forms, carries the noise once.
     σ = 0 adds nothing (no random op in the graph).
     """
+    return self._noised(tensors, scale, replicas.noise_share())
+
+  def per_record(self, tensors: Sequence[tf.Tensor], scale) -> list[tf.Tensor]:
+    """t + N(0, (σ·scale)² I) for each tensor, whole on every replica: noise of single records
+    (e.g. rows of per-example gradients) rather than of a sum; it has no event of its own."""
+    return self._noised(tensors, scale, 1.0)
+
+  def _noised(self, tensors: Sequence[tf.Tensor], scale, share: float) -> list[tf.Tensor]:
     if self.noise_multiplier == 0:
       return list(tensors)
-    return [t + self.source.normal(tf.shape(t), t.dtype) * tf.cast(self.noise_multiplier * s,
-                                                                   t.dtype)
+    return [t + self.source.normal(tf.shape(t), t.dtype) * tf.cast(
+        self.noise_multiplier * share * s, t.dtype)
             for t, s in zip(tensors, _scales(scale, len(tensors)))]
 
   def event(self, *, replace_one: bool = False, num_blocks: int = 1

@@ -20,6 +20,7 @@ import functools
 import inspect
 import math
 import re
+import threading
 import warnings
 import weakref
 from typing import ClassVar, Optional
@@ -31,6 +32,7 @@ import tensorflow as tf
 from tfdp_variants import algorithms
 from tfdp_variants import keras_integration
 from tfdp_variants import per_example
+from tfdp_variants import replicas
 from tfdp_variants import validation
 from tfdp_variants.per_example import self_check
 
@@ -163,7 +165,7 @@ class DPOptimizerMixin:
     self.self_check = self_check
     self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
     self.per_example_rules: Optional[tuple[str, ...]] = None
-    self._dp_released: Optional[_Released] = None
+    self._dp_released: dict[int, _Released] = {}  # By thread: a replica's (MirroredStrategy).
     self._dp_mixing_calls = keras_integration.eager_mixing_calls()
     self._self_check_flags = _Untracked()  # A flag per trace (`per_example.self_check`).
     self._algorithm_built = False
@@ -280,7 +282,7 @@ class DPOptimizerMixin:
 
   def _dp_gradients(self, loss, var_list, tape) -> list[tuple[tf.Tensor, tf.Variable]]:
     """(privatized gradient, variable) pairs for the per-example `loss` (see `compute_gradients`)."""
-    validation.check_single_replica(type(self).__name__)
+    replicas.check_strategy(type(self).__name__)
     if callable(loss):
       tape = tape if tape is not None else tf.GradientTape()
       with tape:
@@ -309,7 +311,9 @@ class DPOptimizerMixin:
         self.build(var_list)
     wrapper = keras_integration.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
-    grads = per_example.compute(loss, tf_vars, self.num_microbatches, tape, self.self_check)
+    grads = per_example.compute(loss, tf_vars,
+                                replicas.local_count(self.num_microbatches, type(self).__name__),
+                                tape, self.self_check)
     self.per_example_rules = tuple(grads.rules)
     if grads.self_check_flag is not None:
       self._self_check_flags.items.append(grads.self_check_flag)
@@ -329,7 +333,7 @@ class DPOptimizerMixin:
                     for p, g in zip(privatized, tf.gradients(total, tf_vars))]
     if wrapper is not None:  # The wrapper divides by its scale.
       privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
-    self._dp_released = _Released(privatized, var_list, wrapper)
+    self._dp_released[threading.get_ident()] = _Released(privatized, var_list, wrapper)
     return list(zip(privatized, var_list))
 
   def compute_gradients(self, loss, var_list, tape=None) -> list[tuple[tf.Tensor, tf.Variable]]:
@@ -371,10 +375,10 @@ class DPOptimizerMixin:
   def _guarded(self, grads, variables) -> list:
     """The gradients to apply: those this optimizer privatized, passed on unchanged; on Keras 3,
     in place of Keras' own, the private gradients of the loss `scale_loss` kept; else an error."""
-    validation.check_single_replica(type(self).__name__)
+    replicas.check_strategy(type(self).__name__)
     grads, variables = list(grads), list(variables)
     wrapper = keras_integration.loss_scale_wrapper(self)
-    released = self._dp_released
+    released = self._dp_released.get(threading.get_ident())
     raw = [keras_integration.variable_name(v) for g, v in zip(grads, variables)
            if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
     if not raw:
@@ -394,6 +398,7 @@ class DPOptimizerMixin:
     (on Keras 3 also inside `fit`: see `scale_loss`)."""
     if keras_integration.KERAS_3:  # Every Keras 3 update goes through `apply`, guarded there.
       return super().apply_gradients(grads_and_vars, *args, **kwargs)
+    keras_integration.check_aggregated(type(self).__name__, super().apply_gradients, args, kwargs)
     pairs = list(grads_and_vars)
     grads = self._guarded([g for g, _ in pairs], [v for _, v in pairs])
     return super().apply_gradients(zip(grads, [v for _, v in pairs]), *args, **kwargs)

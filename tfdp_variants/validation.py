@@ -81,21 +81,6 @@ def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:
                      "(0 means no noise and no privacy).")
 
 
-def check_single_replica(who: str) -> None:
-  """Raises ValueError under a tf.distribute strategy with more than one replica.
-
-  Each replica would clip and noise its own share of the batch, and their sum would carry the
-  noise once per replica while Keras adds the updates up: neither the step nor its ε is DP-SGD's.
-  """
-  replicas = tf.distribute.get_strategy().num_replicas_in_sync
-  if replicas > 1:
-    raise ValueError(
-        f"{who} does not support distributed training yet: the current tf.distribute strategy "
-        f"has {replicas} replicas, each of which would clip and noise its own part of the batch. "
-        "Train on one device: build and compile the model outside any strategy scope (or under "
-        "tf.distribute.OneDeviceStrategy).")
-
-
 def assert_finite(norms: tf.Tensor) -> tf.Tensor:
   """`norms`, after checking at run time that every per-example gradient norm is finite."""
   return tf.debugging.assert_all_finite(

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfdp_variants import accounting
 from tfdp_variants import noise
 from tfdp_variants import per_example
+from tfdp_variants import replicas
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.algorithms import base
@@ -40,7 +41,8 @@ def private_mean_norms(norms: Sequence[tf.Tensor], bounds: tf.Tensor, alpha: flo
   so, as SPEC §3.4 says, the noised sum is divided by B like every DP mean.
 
   Args:
-    norms: per layer, the (M,) norms ‖g_i^l‖ of this step.
+    norms: per layer, the (M,) norms ‖g_i^l‖ of this step (this replica's, under a strategy: the
+      noised sums are added up over the replicas, so every replica stores the same bounds).
     bounds: (K,) the bounds C_{t−1}^l this step clipped to.
     alpha, beta: α, β.
     norm_query: adds N(0, σ_n² (C_n^l)²) to coordinate l of the clipped sums.
@@ -53,6 +55,7 @@ def private_mean_norms(norms: Sequence[tf.Tensor], bounds: tf.Tensor, alpha: flo
   clipped_sums = tf.stack([tf.reduce_sum(tf.minimum(n, c))
                            for n, c in zip(norms, tf.unstack(norm_bounds))])
   noised = tf.stack(norm_query(tf.unstack(clipped_sums), tf.unstack(norm_bounds)))
+  noised = replicas.sum_across([noised])[0]  # The global batch's, the same on every replica.
   mean = alpha * noised / tf.cast(denominator, bounds.dtype)
   return tf.maximum(mean, MIN_L2_NORM_CLIP)
 

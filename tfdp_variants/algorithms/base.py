@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdp_variants import accounting
 from tfdp_variants import noise
+from tfdp_variants import replicas
 from tfdp_variants import validation
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -87,17 +88,20 @@ class Algorithm:
     raise NotImplementedError
 
   def mean(self, noised: Sequence[tf.Tensor], grads: PerExampleGradients) -> list[tf.Tensor]:
-    """The noised sum over `denominator` (SPEC §2, §4)."""
+    """The noised sum over `denominator` (SPEC §2, §4); under a strategy, this replica's share of
+    it (`tfdp_variants.replicas`)."""
     denominator = self.denominator(grads)
     return [t / tf.cast(denominator, t.dtype) for t in noised]
 
   def denominator(self, grads: PerExampleGradients) -> tf.Tensor:
-    """`expected_batch_size` when set (Poisson sampling), else M as TF Privacy divides; an empty
-    batch (possible with Poisson sampling) gives the noise alone, over 1. Other means of the step
-    (adaptive clipping's norm query, the quantile count) divide by it too."""
+    """`expected_batch_size` when set (Poisson sampling), else M as TF Privacy divides, both of
+    the global batch (M summed over the replicas); an empty batch (possible with Poisson
+    sampling) gives the noise alone, over 1. Other means of the step (adaptive clipping's norm
+    query, the quantile count) divide by it too."""
     if self.expected_batch_size is not None:
       return tf.constant(self.expected_batch_size, tf.float32)
-    return tf.cast(tf.maximum(grads.num_microbatches, 1), tf.float32)
+    local = tf.cast(grads.num_microbatches, tf.float32)
+    return tf.maximum(replicas.sum_across([local])[0], 1.0)
 
   def _layers(self, num_layers: Optional[int]) -> int:
     """K for a per-layer event: `num_layers`, or the built count (they must agree)."""

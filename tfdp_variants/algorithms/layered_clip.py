@@ -14,6 +14,7 @@ from typing import Optional
 import dp_accounting
 import tensorflow as tf
 
+from tfdp_variants import replicas
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.algorithms import base
@@ -99,11 +100,13 @@ class LayeredClip(base.Algorithm):
     # Eq. 3: g_i^k / max(1, ||g_i^k|| / C_Mi), summed over i.
     summed = grads.weighted_sum([transforms.clip_factors(layer_norms[:, k], thresholds)
                                  for k in range(num_layers)])
-    # Eqs. 5-6: Σ_i N(0, σ² C̄_i² I) = N(0, σ² Σ_i C̄_i² I); certified: N(0, σ² C_max² I).
+    # Eqs. 5-6: Σ_i N(0, σ² C̄_i² I) = N(0, σ² Σ_i C̄_i² I), i over the global batch (summed over
+    # the replicas); certified: N(0, σ² C_max² I).
     if self.certified:
       scale = self.l2_norm_clip
     else:
-      scale = tf.norm(thresholds + self.sensitivity_bound)
+      local = tf.reduce_sum(tf.square(thresholds + self.sensitivity_bound))
+      scale = tf.sqrt(replicas.sum_across([local])[0])
     return self.mean(self.gradient_query(summed, scale), grads)
 
   def _certified_event(self, replace_one: bool, num_layers: Optional[int],

@@ -141,7 +141,7 @@ class NoisyGradient(base.Algorithm):
   def _noised_clipped_sum(self, chunk: list[tf.Tensor]) -> list[tf.Tensor]:
     """Σ_i ĝ_i over one chunk of microbatches (Alg. 1, lines 5-6), norms over all variables."""
     # Per microbatch N(0, σ²C² I): the sum query's noise, on each row (it has no event of its own).
-    noised = self.gradient_query(chunk, self.l2_norm_clip)
+    noised = self.gradient_query.per_record(chunk, self.l2_norm_clip)
     return transforms.clipped_rows_sum(noised, self.l2_norm_clip)
 
   def _certified_event(self, replace_one: bool, num_layers: Optional[int],

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfdp_variants import accounting
 from tfdp_variants import noise
+from tfdp_variants import replicas
 from tfdp_variants import transforms
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
@@ -113,8 +114,8 @@ class QuantileClip(base.Algorithm):
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     norms = self._norms(grads)
-    if self.method == "direct":
-      bounds = [quantile_of(n, self.quantile) for n in norms]  # Alg. 2 line 6.
+    if self.method == "direct":  # Alg. 2 line 6, over the global batch's norms.
+      bounds = [quantile_of(replicas.gather(n), self.quantile) for n in norms]
       summed = self._clipped_sum(grads, bounds)  # Line 7.
       noised = self.gradient_query(summed, bounds if self.per_layer else bounds[0])  # Line 8.
     else:
@@ -140,13 +141,14 @@ class QuantileClip(base.Algorithm):
     The gradient sum is clipped to C_t and noised σ·C_t; the count Σ_i (1[‖g_i‖ ≤ C_t] − ½)
     (QuantileEstimatorQuery.preprocess_record) is noised N(0, s²), divided by E and unshifted by ½,
     and moves the clip (QuantileEstimatorQuery.get_noised_result); C_{t+1} is stored for the next
-    step.
+    step. Under a strategy the noised count is summed over the replicas first, so every replica
+    stores the same clip.
     """
     clips = tf.unstack(self.clip.read_value()) if self.per_layer else [self.clip.read_value()]
     noised = self.gradient_query(self._clipped_sum(grads, clips), clips if self.per_layer
                                  else clips[0])
     counts = [tf.reduce_sum(tf.cast(n <= c, tf.float32) - 0.5) for n, c in zip(norms, clips)]
-    noised_counts = self.count_query(counts, 1.0)
+    noised_counts = replicas.sum_across(self.count_query(counts, 1.0))  # Of the global batch.
     records = (tf.constant(float(self.expected_num_records)) if self.expected_num_records
                else self.denominator(grads))
     new_clips = []

@@ -414,10 +414,18 @@ def _composite_inputs(graph: tf.Graph) -> set[str]:
   for spec in tf.nest.flatten(signature, expand_composites=False):
     n = len(tf.nest.flatten(spec, expand_composites=True)) if isinstance(
         spec, tf.TypeSpec) else 1
-    if isinstance(spec, tf.TypeSpec) and not isinstance(spec, tf.TensorSpec):
+    if isinstance(spec, tf.TypeSpec) and not (isinstance(spec, tf.TensorSpec)
+                                              or _per_replica_dense(spec)):
       names.update(t.name for t in graph.inputs[i:i + n])
     i += n
   return names
+
+
+def _per_replica_dense(spec: tf.TypeSpec) -> bool:
+  """A tf.distribute per-replica value of dense tensors: one replica's batch part per component
+  (MirroredStrategy passes a step's data so), examples on axis 0 like any batch."""
+  return type(spec).__name__ == "PerReplicaSpec" and all(
+      type(c) is tf.TensorSpec for c in spec._component_specs)  # pylint: disable=protected-access
 
 
 def _placeholder(t: tf.Tensor, memo: dict) -> Info:
@@ -438,6 +446,14 @@ def _placeholder(t: tf.Tensor, memo: dict) -> Info:
                                   "CondBranchFuncGraph")):
     return None  # Loop state, a branch input, a ragged or sparse component.
   return NO_BATCH if _rank(t) == 0 else _DATA
+
+
+def _reads_in_body(op: tf.Operation) -> bool:
+  """Whether `op` runs a function body (cond, loop) given a resource or variant, which its body
+  may read data from."""
+  return any(t.dtype in (tf.resource, tf.variant) for t in op.inputs) and any(
+      value.HasField("func") or (value.HasField("list") and value.list.func)
+      for value in op.node_def.attr.values())
 
 
 def _call_outputs(op: tf.Operation, ins: list[Info]) -> list[Info]:
@@ -475,10 +491,13 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
       ins = [memo[i.name] for i in op.inputs]
       if any(i is None for i in ins):
         outs = [None] * len(op.outputs)
-      elif all(i.axis is None for i in ins):
-        outs = [NO_BATCH] * len(op.outputs)  # Depends on no example (a random mask, a shape).
       elif op.type in _CALLS:
         outs = _call_outputs(op, ins)
+      elif all(i.axis is None for i in ins):
+        # Depends on no example (a random mask, a shape), unless a function body (a branch, a
+        # loop) may read data through a resource (TF 2.15's distributed input reads its iterator
+        # in a cond): unknown.
+        outs = [None if _reads_in_body(op) else NO_BATCH] * len(op.outputs)
       elif op.type == "IdentityN":
         outs = ins
       elif op.type in _AXIS_RULES:
