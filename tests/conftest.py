@@ -7,11 +7,17 @@ version and run once. The TF 2.15 leg adds `-m tf_privacy`, the parity tests aga
 """
 
 import pytest
+import tensorflow as tf
+
+# Two logical CPU devices, so that MirroredStrategy has two replicas without a GPU
+# (test_distributed.py); set before TensorFlow initializes its devices.
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
 
 _STACK_FILES = frozenset({
-    "test_any_base_optimizer.py", "test_callbacks.py", "test_engine_fail_closed.py",
-    "test_fail_closed.py", "test_model_zoo.py", "test_optimizers.py", "test_per_example.py",
-    "test_xla.py",
+    "test_any_base_optimizer.py", "test_callbacks.py", "test_distributed.py",
+    "test_engine_fail_closed.py", "test_fail_closed.py", "test_model_zoo.py",
+    "test_optimizers.py", "test_per_example.py", "test_xla.py",
 })
 _TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
 

@@ -342,27 +342,6 @@ def test_keras_3_loss_scaling_is_refused_in_a_custom_loop(mode):
   _assert_weights(model.get_weights(), before, rtol=0, atol=0)
 
 
-# 8. tf.distribute: refused until distributed DP training exists.
-
-
-def test_mirrored_strategy_is_refused():
-  out = _run_fresh("""
-      import numpy as np, tensorflow as tf
-      cpu = tf.config.list_physical_devices("CPU")[0]
-      tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-      import tfdp_variants
-      with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
-        model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
-        model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0), loss=tf.keras.losses.
-                      SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
-      try:
-        model.fit(np.ones((8, 4), "float32"), np.zeros(8), batch_size=8, verbose=0)
-      except ValueError as e:
-        print("REFUSED" if "2 replicas" in str(e) and "one device" in str(e) else e)
-      """)
-  assert "REFUSED" in out
-
-
 # 9. Clear errors.
 
 

@@ -1,0 +1,78 @@
+"""One worker of `test_distributed.test_two_workers_*`: DP training under MultiWorkerMirroredStrategy.
+
+Run as `python multi_worker_dp.py INPUT.npz OUTPUT.npz` with TF_CONFIG naming this worker. The
+input holds the initial weights (w0, w1, ...), the data (x, y) and the run's settings; the output
+the weights after a noiseless and a noisy run, the optimizers' step counts and this worker's ε.
+
+Keras 2 trains with `fit` and a PrivacyLogger. Keras 3's `fit` fails under this strategy for any
+optimizer (it reduces scalar logs over axis 0; tensorflow/tensorflow#72388), so there the worker
+runs the custom loop of README "Custom training loops" under `strategy.run`.
+"""
+
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()  # First: it starts the cluster's servers.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import tfdp_variants
+from tfdp_variants import callbacks
+from tfdp_variants import keras_integration
+from tfdp_variants import sampling
+
+
+def _run(inputs, noise_multiplier: float) -> tuple[list[np.ndarray], int, float]:
+  """Weights, dp_steps and certified ε after training on the global batches of `inputs`."""
+  with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.Input((inputs["x"].shape[1],)),
+                                 tf.keras.layers.Dense(5, activation="tanh"),
+                                 tf.keras.layers.Dense(3)])
+    model.set_weights([inputs[f"w{i}"] for i in range(len(model.weights))])
+    optimizer = tfdp_variants.DPSGD(l2_norm_clip=float(inputs["l2_norm_clip"]),
+                                    noise_multiplier=noise_multiplier,
+                                    learning_rate=float(inputs["learning_rate"]))
+  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+  batch_size, epochs, n = int(inputs["batch_size"]), int(inputs["epochs"]), len(inputs["x"])
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+  dataset = tf.data.Dataset.from_tensor_slices((inputs["x"], inputs["y"])).batch(
+      batch_size).with_options(options)
+  if not keras_integration.KERAS_3:
+    with strategy.scope():
+      model.compile(optimizer=optimizer, loss=loss_fn)
+    logger = callbacks.PrivacyLogger(num_examples=n, batch_size=batch_size)
+    model.fit(dataset, epochs=epochs, shuffle=False, verbose=0, callbacks=[logger])
+    return model.get_weights(), int(optimizer.dp_steps.numpy()), logger.epsilon
+
+  @tf.function
+  def step(x, y):
+    def replica_step(x, y):
+      with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+      optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    strategy.run(replica_step, (x, y))
+
+  for _ in range(epochs):
+    for x, y in strategy.experimental_distribute_dataset(dataset):
+      step(x, y)
+  steps = int(optimizer.dp_steps.numpy())
+  epsilon, _ = sampling.epsilons(optimizer, sampling.resolve("shuffle", n, batch_size), steps,
+                                 1e-5, variables=model.trainable_variables)
+  return model.get_weights(), steps, epsilon
+
+
+def main(source: str, target: str) -> None:
+  inputs = dict(np.load(source))
+  outputs = {}
+  for name, sigma in (("noiseless", 0.0), ("noisy", float(inputs["noise_multiplier"]))):
+    weights, steps, epsilon = _run(inputs, sigma)
+    outputs.update({f"{name}_w{i}": w for i, w in enumerate(weights)})
+    outputs[f"{name}_steps"] = steps
+    outputs[f"{name}_epsilon"] = -1.0 if epsilon is None else epsilon
+  np.savez(target, **outputs)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2])
