@@ -4,9 +4,8 @@ Run as `python multi_worker_dp.py INPUT.npz OUTPUT.npz` with TF_CONFIG naming th
 input holds the initial weights (w0, w1, ...), the data (x, y) and the run's settings; the output
 the weights after a noiseless and a noisy run, the optimizers' step counts and this worker's ε.
 
-Keras 2 trains with `fit` and a PrivacyLogger. Keras 3's `fit` fails under this strategy for any
-optimizer (it reduces scalar logs over axis 0; tensorflow/tensorflow#72388), so there the worker
-runs the custom loop of README "Custom training loops" under `strategy.run`.
+Each run trains twice: with `fit` and a PrivacyLogger, and with the custom loop of README "Custom
+training loops" under `strategy.run` (its ε from the same accounting).
 """
 
 import sys
@@ -19,11 +18,10 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()  # First: it starts the c
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tfdp_variants
 from tfdp_variants import callbacks
-from tfdp_variants import keras_integration
 from tfdp_variants import sampling
 
 
-def _run(inputs, noise_multiplier: float) -> tuple[list[np.ndarray], int, float]:
+def _run(inputs, noise_multiplier: float, loop: bool) -> tuple[list[np.ndarray], int, float]:
   """Weights, dp_steps and certified ε after training on the global batches of `inputs`."""
   with strategy.scope():
     model = tf.keras.Sequential([tf.keras.Input((inputs["x"].shape[1],)),
@@ -39,7 +37,7 @@ def _run(inputs, noise_multiplier: float) -> tuple[list[np.ndarray], int, float]
   options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
   dataset = tf.data.Dataset.from_tensor_slices((inputs["x"], inputs["y"])).batch(
       batch_size).with_options(options)
-  if not keras_integration.KERAS_3:
+  if not loop:
     with strategy.scope():
       model.compile(optimizer=optimizer, loss=loss_fn)
     logger = callbacks.PrivacyLogger(num_examples=n, batch_size=batch_size)
@@ -66,8 +64,10 @@ def _run(inputs, noise_multiplier: float) -> tuple[list[np.ndarray], int, float]
 def main(source: str, target: str) -> None:
   inputs = dict(np.load(source))
   outputs = {}
-  for name, sigma in (("noiseless", 0.0), ("noisy", float(inputs["noise_multiplier"]))):
-    weights, steps, epsilon = _run(inputs, sigma)
+  sigma = float(inputs["noise_multiplier"])
+  for name, noise, loop in (("noiseless", 0.0, False), ("noisy", sigma, False),
+                            ("loop_noiseless", 0.0, True), ("loop_noisy", sigma, True)):
+    weights, steps, epsilon = _run(inputs, noise, loop)
     outputs.update({f"{name}_w{i}": w for i, w in enumerate(weights)})
     outputs[f"{name}_steps"] = steps
     outputs[f"{name}_epsilon"] = -1.0 if epsilon is None else epsilon

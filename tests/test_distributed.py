@@ -355,7 +355,9 @@ def test_two_workers_apply_the_same_update_as_dpsgd_on_the_global_batch(tmp_path
   results = [dict(np.load(tmp_path / f"worker{index}.npz")) for index in range(2)]
   for key in results[0]:  # Noisy or not, both workers hold the same model, steps and ε.
     np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)
-  noiseless = [results[0][f"noiseless_w{i}"] for i in range(len(weights))]
-  _assert_weights(noiseless, _hand_dpsgd(weights, x, y, 8, 2))
-  assert results[0]["noiseless_steps"] == results[0]["noisy_steps"] == 4
-  assert results[0]["noisy_epsilon"] > 0
+  expected = _hand_dpsgd(weights, x, y, 8, 2)
+  for run in ("noiseless", "loop_noiseless"):  # fit, and a custom loop under strategy.run.
+    _assert_weights([results[0][f"{run}_w{i}"] for i in range(len(weights))], expected)
+  for run in ("noiseless", "noisy", "loop_noiseless", "loop_noisy"):
+    assert results[0][f"{run}_steps"] == 4
+  assert results[0]["noisy_epsilon"] == results[0]["loop_noisy_epsilon"] > 0

@@ -28,6 +28,11 @@ the first and Keras 2 on the others; everything that differs between them is her
   passes the loss on, so there it is refused (see `remembered_loss`).
 * Variables and optimizer state: Keras 3 wraps each `tf.Variable` in a `keras.Variable`, named
   by its path.
+* tf.distribute (Keras 3). The reported loss is divided by the replicas as Keras divides its
+  reduced losses (it multiplies them back for its metric), while the optimizer keeps the
+  undivided per-example loss; and two Keras 3.15 failures are worked around: building a DP model
+  from an unevenly split first batch, and fit's scalar logs under MultiWorkerMirroredStrategy
+  (tensorflow/tensorflow#72388; that fix serves every model, whose fit failed there).
 * Saving. Every class made by `make_dp_optimizer_class` is serialized under one registered name,
   `tfdp_variants>DPOptimizer`, with its recipe (base class, algorithm, options) in its config, so a
   saved model loads in a process that has not made the class yet.
@@ -371,8 +376,7 @@ if KERAS_3:
     averages the replicas' parts with `strategy.reduce`, which fails when they differ in size (a
     first batch that does not split evenly, as Poisson sampling gives) and under
     MultiWorkerMirroredStrategy (it takes no nested batch there); the build needs only their
-    shapes. (Keras 3's fit fails later under MultiWorkerMirroredStrategy all the same, for any
-    optimizer: tensorflow/tensorflow#72388; custom loops work.)"""
+    shapes."""
     if (iterator is None or not _is_dp(getattr(self, "optimizer", None))
         or self._distribute_strategy is None):  # pylint: disable=protected-access
       return _keras_symbolic_build(self, iterator=iterator, data_batch=data_batch)
@@ -381,6 +385,28 @@ if KERAS_3:
         data_batch = tf.nest.map_structure(_one_replica, next(batches))
         break
     return _keras_symbolic_build(self, data_batch=data_batch)
+
+  _tf_trainer = importlib.import_module("keras.src.backend.tensorflow.trainer")
+  _keras_reduce_per_replica = _tf_trainer.reduce_per_replica
+
+  @functools.wraps(_keras_reduce_per_replica)
+  def _reduce_per_replica(values, strategy, reduction="auto"):
+    """Keras 3's, with scalar logs averaged over MultiWorkerMirroredStrategy's replicas: Keras
+    reduces them over an axis 0 they lack, so its fit fails there for any model
+    (tensorflow/tensorflow#72388)."""
+    multi_worker = _tf_trainer._collective_all_reduce_multi_worker(strategy)  # pylint: disable=protected-access
+    if not (multi_worker and reduction in ("auto", "mean")):
+      return _keras_reduce_per_replica(values, strategy, reduction)
+
+    def mean(value):
+      part = strategy.experimental_local_results(value)[0]
+      return strategy.reduce("MEAN", value, axis=0 if part.shape.rank else None)
+
+    return tf.nest.map_structure(mean, values)
+
+  _reduce_per_replica.tfdp_wrapper = True
+  if not getattr(_tf_trainer.reduce_per_replica, "tfdp_wrapper", False):
+    _tf_trainer.reduce_per_replica = _reduce_per_replica
 
   _maybe_symbolic_build.tfdp_wrapper = True
   if not getattr(keras.Model._maybe_symbolic_build, "tfdp_wrapper", False):  # pylint: disable=protected-access
