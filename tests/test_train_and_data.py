@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -160,3 +161,90 @@ def test_bad_options_flag():
     train.parse_options(["order"])
   assert train.parse_options(["beta=0.5", "order=clip_then_noise", "certified=True"]) == {
       "beta": 0.5, "order": "clip_then_noise", "certified": True}
+
+
+# Several replicas (README, "Several GPUs or hosts"). conftest.py splits this process's CPU into two
+# logical devices; the binary runs in its own process, split by --cpu_replicas.
+
+
+def test_strategy_poisson_per_replica_partitions_the_training_set():
+  """Each replica samples its own share; with q = 1 a step's union is the whole set, once."""
+  strategy = tf.distribute.MirroredStrategy(
+      [d.name for d in tf.config.list_logical_devices("CPU")[:2]])
+  ids = np.arange(101, dtype=np.int32)
+  for q in (1.0, 0.3):
+    dataset = train.poisson_per_replica(strategy, ids[:, None].astype(np.float32), ids, q, steps=2)
+    for step, (_, y) in zip(range(5), dataset):  # Endless: it restarts with fresh masks.
+      parts = [part.numpy() for part in strategy.experimental_local_results(y)]
+      assert len(parts) == 2
+      for replica, part in enumerate(parts):
+        assert set(part) <= set(ids[replica::2]), (step, replica)
+      union = np.concatenate(parts)
+      assert len(set(union)) == len(union)
+      if q == 1.0:
+        assert sorted(union) == ids.tolist()
+
+
+def _free_ports(count):
+  sockets = [socket.socket() for _ in range(count)]
+  for s in sockets:
+    s.bind(("127.0.0.1", 0))
+  ports = [s.getsockname()[1] for s in sockets]
+  for s in sockets:
+    s.close()
+  return ports
+
+
+_SHORT_JOB = ("--optimizer=adam", "--learning_rate=5e-3", "--batch_size=64", "--epochs=3",
+              "--noise_multiplier=1.0", "--l2_norm_clip=1.0")
+
+
+def _check_distributed_summary(summary, strategy):
+  assert summary["strategy"] == strategy and summary["num_replicas"] == 2
+  assert summary["steps"] == 66 and summary["sampling"] == "poisson"  # As on one device.
+  want = accounting.epsilon(1.0, 64 / 1438, 66, 1e-5)  # q = global batch / N.
+  assert summary["epsilon"] == pytest.approx(want, rel=1e-6)
+  assert summary["test_accuracy"] > 0.25
+
+
+def test_mirrored_strategy_binary_on_two_cpus(tmp_path):
+  """--strategy=mirrored over two logical CPUs (--cpu_replicas), with Poisson batches."""
+  stdout, summary = _train(tmp_path, "--strategy=mirrored", "--cpu_replicas=2", *_SHORT_JOB)
+  assert "Strategy: mirrored (MirroredStrategy), 2 replicas; global batch 64" in stdout
+  _check_distributed_summary(summary, "mirrored")
+  assert {"epoch_loss", "epsilon"} <= _event_tags(tmp_path)
+
+
+def test_multi_worker_strategy_binary_in_two_processes(tmp_path):
+  """Two workers on localhost; only the chief (worker 0) writes to --logdir."""
+  ports = _free_ports(2)
+  cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+  logdir, scratch = tmp_path / "logs", tmp_path / "worker1_tmp"
+  scratch.mkdir()
+  workers = []
+  for index in range(2):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TMPDIR": str(scratch),
+           "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+    workers.append(subprocess.Popen(
+        [sys.executable, "-m", "tfdp_variants.train", "--strategy=multi_worker",
+         f"--logdir={logdir}", *_SHORT_JOB],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env))
+  try:
+    outputs = [worker.communicate(timeout=300) for worker in workers]
+  finally:
+    for worker in workers:
+      if worker.poll() is None:
+        worker.kill()
+  for worker, (_, stderr) in zip(workers, outputs):
+    assert worker.returncode == 0, stderr[-3000:]
+  assert "2 replicas, this process worker 0 (chief)" in outputs[0][0]
+  assert "2 replicas, this process worker 1;" in outputs[1][0]
+  with open(logdir / "summary.json") as f:
+    _check_distributed_summary(json.load(f), "multi_worker")
+  assert not list(scratch.iterdir())  # Worker 1's logs went to a temporary directory, removed.
+
+
+def test_multi_worker_strategy_without_tf_config_is_refused(tmp_path, monkeypatch):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  out = _run(tmp_path, "--strategy=multi_worker")
+  assert out.returncode != 0 and "TF_CONFIG environment variable, which is unset" in out.stderr

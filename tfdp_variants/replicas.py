@@ -42,7 +42,9 @@ def count() -> int:
 def check_strategy(who: str) -> None:
   """Raises ValueError under a strategy whose replicas this module cannot combine exactly."""
   strategy = tf.distribute.get_strategy()
-  if strategy.num_replicas_in_sync == 1 or isinstance(strategy, SUPPORTED):
+  asynchronous = type(strategy).__name__ == "ParameterServerStrategy"  # Steps not in sync.
+  if not asynchronous and (strategy.num_replicas_in_sync == 1
+                           or isinstance(strategy, SUPPORTED)):
     return
   raise ValueError(
       f"{who} does not support {type(strategy).__name__} with {strategy.num_replicas_in_sync} "

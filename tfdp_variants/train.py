@@ -16,19 +16,33 @@ replace-one Gaussian mechanism per epoch) and the Poisson-assumed number is only
 With --target_epsilon, σ is calibrated to the certified ε of the algorithm's own step under the
 chosen sampling (e.g. with the norm query of adaptive clipping), or to its nominal ε when it has no
 certified one (said so).
+
+Several devices or hosts (`tfdp_variants.replicas`): --strategy=mirrored trains on every GPU of this
+host (tf.distribute.MirroredStrategy), --strategy=multi_worker on the hosts that TF_CONFIG names
+(tf.distribute.MultiWorkerMirroredStrategy; run the binary on each host with the same flags).
+--batch_size stays the global batch and q = batch_size / N. Poisson batches are drawn per replica, on
+its own disjoint share of the training set, with the same q: their union is one Poisson batch of
+the whole set (`poisson_per_replica`). Under multi_worker only the chief writes to --logdir.
+--cpu_replicas=R (with --strategy=mirrored) splits the CPU into R logical devices, to test the
+mirrored path without GPUs: the replicas share the CPU's cores, so it is no faster.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from typing import Optional
 
 from absl import app
 from absl import flags
+import numpy as np
 import tensorflow as tf
 
 import tfdp_variants
@@ -84,6 +98,15 @@ _LOGDIR = flags.DEFINE_string("logdir", None, "TensorBoard logs and summary.json
                               "runs/<algorithm>-<time>.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for initialisation and the order of shuffled batches; "
                              "DP noise and Poisson masks are never seeded.")
+_STRATEGY = flags.DEFINE_enum("strategy", "none", ["none", "mirrored", "multi_worker"],
+                              "none: one device; mirrored: tf.distribute.MirroredStrategy over this "
+                              "host's GPUs; multi_worker: tf.distribute.MultiWorkerMirroredStrategy "
+                              "over the hosts in TF_CONFIG (run the binary on each). --batch_size is "
+                              "the global batch.")
+_CPU_REPLICAS = flags.DEFINE_integer("cpu_replicas", None, "Testing without GPUs, with "
+                                     "--strategy=mirrored: split the CPU into this many logical "
+                                     "devices and mirror over them (they share its cores).",
+                                     lower_bound=1)
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -106,14 +129,97 @@ def model_name(flag: str, input_shape: tuple[int, ...]) -> str:
   return "small_cnn" if min(input_shape[:2]) < 14 else "amian_cnn"
 
 
+def make_strategy(kind: str, cpu_replicas: Optional[int]) -> Optional[tf.distribute.Strategy]:
+  """The --strategy (None for "none"); call it before TensorFlow initializes its devices."""
+  if cpu_replicas is not None and kind != "mirrored":
+    raise app.UsageError("--cpu_replicas splits the CPU into devices for --strategy=mirrored; "
+                         f"it does not apply to --strategy={kind}.")
+  if kind == "none":
+    return None
+  if kind == "multi_worker":
+    config = os.environ.get("TF_CONFIG")
+    if not config:
+      raise app.UsageError(
+          "--strategy=multi_worker reads the cluster from the TF_CONFIG environment variable, "
+          "which is unset. On each host set e.g. TF_CONFIG='{\"cluster\": {\"worker\": "
+          "[\"host0:12345\", \"host1:12345\"]}, \"task\": {\"type\": \"worker\", \"index\": "
+          "0}}' (index 1 on the second host; README, \"Several GPUs or hosts\"), or use "
+          "--strategy=mirrored for the GPUs of one host.")
+    try:
+      parsed = json.loads(config)
+    except ValueError as e:
+      raise app.UsageError(f"TF_CONFIG is not valid JSON ({e}): {config!r}") from e
+    if not (isinstance(parsed, dict) and parsed.get("cluster") and parsed.get("task")):
+      raise app.UsageError(f"TF_CONFIG needs a \"cluster\" and a \"task\", got {config!r}.")
+    return tf.distribute.MultiWorkerMirroredStrategy()
+  if cpu_replicas is None:
+    return tf.distribute.MirroredStrategy()  # Every GPU of this host, else the CPU.
+  try:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * cpu_replicas)
+  except RuntimeError as e:  # Devices already initialized (e.g. when main runs in a test).
+    raise app.UsageError(f"--cpu_replicas must be applied before TensorFlow initializes its "
+                         f"devices: {e}") from e
+  return tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+
+
+def is_chief(strategy: Optional[tf.distribute.Strategy]) -> bool:
+  """Whether this process writes logs: always, but under multi_worker only on the chief (the task
+  "chief", else worker 0), as in Keras' multi-worker tutorial."""
+  return strategy is None or strategy.extended.should_save_summary
+
+
+def poisson_per_replica(strategy: tf.distribute.Strategy, x: np.ndarray, y: np.ndarray,
+                        sampling_probability: float,
+                        steps: int = 100) -> tf.distribute.DistributedDataset:
+  """Poisson batches for a strategy of several replicas: an endless distributed dataset (fit it
+  with steps_per_epoch) whose steps are each one Poisson batch of (x, y).
+
+  Replica r of R samples the examples r, r + R, r + 2R, … of its pipeline's share (each worker's
+  pipeline takes every W-th example), each independently with probability q, from its own
+  generator seeded from OS entropy (`data.poisson_dataset`). The shares partition the training set,
+  so a step's union over the replicas includes every example independently with probability q: one
+  Poisson batch of the whole set, as without a strategy, accounted with the same q. (Splitting one
+  Poisson batch per worker, as `experimental_distribute_dataset` does, would need every worker to
+  draw the same secret masks.) Replicas' batches differ in size, and may be empty. `steps`: batches
+  a replica's generator draws before it restarts (with fresh masks); it does not bound the dataset.
+  """
+
+  def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    pipelines, pipeline = context.num_input_pipelines, context.input_pipeline_id
+    local = context.num_replicas_in_sync // pipelines  # This worker's replicas.
+    share = np.arange(len(y))[pipeline::pipelines]
+    parts = [data.poisson_dataset(x[share[r::local]], y[share[r::local]], sampling_probability,
+                                  steps).repeat() for r in range(local)]
+    if local == 1:
+      return parts[0]
+    # A worker's dataset feeds its replicas in turn (element k to local replica k mod `local`).
+    return tf.data.Dataset.choose_from_datasets(parts, tf.data.Dataset.range(local).repeat())
+
+  if len(y) < strategy.num_replicas_in_sync:
+    raise ValueError(f"{len(y)} training examples cannot be shared among "
+                     f"{strategy.num_replicas_in_sync} replicas.")
+  return strategy.distribute_datasets_from_function(dataset_fn)
+
+
 def main(argv):
   del argv
   started = time.time()
+  # First: MultiWorkerMirroredStrategy must be made before any TensorFlow op, and the CPU split
+  # before TensorFlow initializes its devices.
+  strategy = make_strategy(_STRATEGY.value, _CPU_REPLICAS.value)
+  replicas = 1 if strategy is None else strategy.num_replicas_in_sync
   poisson = _SAMPLING.value == "poisson"
   if poisson and _MICRO.value is not None:
     raise app.UsageError("--sampling=poisson draws batches of random size, which cannot be split "
                          "into --num_microbatches equal parts: leave --num_microbatches unset (one "
                          "per example), or use --sampling=shuffle.")
+  if _MICRO.value is not None and replicas > 1 and (_MICRO.value % replicas
+                                                     or _BATCH.value % _MICRO.value):
+    raise app.UsageError(f"The strategy splits each batch and its --num_microbatches among "
+                         f"{replicas} replicas: choose --num_microbatches a multiple of {replicas} "
+                         f"that divides --batch_size, or leave it unset (one per example).")
   tf.keras.utils.set_random_seed(_SEED.value)  # Initialisation and shuffling; not the DP noise.
   (x_train, y_train), (x_test, y_test) = data.load(_DATASET.value, _PREPROCESSING.value)
   n, batch = len(y_train), _BATCH.value
@@ -126,9 +232,20 @@ def main(argv):
   if _ALGORITHM.value == "layered_clip" and not {"beta", "total_steps"} & set(options):
     options["total_steps"] = total_steps  # β = 1/T², the paper's choice.
 
+  if strategy is None:
+    print("Strategy: none (one device).", flush=True)
+  else:
+    worker = ""
+    if _STRATEGY.value == "multi_worker":
+      resolver = strategy.cluster_resolver
+      worker = (f", this process {resolver.task_type} {resolver.task_id}"
+                f"{' (chief)' if is_chief(strategy) else ''}")
+    print(f"Strategy: {_STRATEGY.value} ({type(strategy).__name__}), {replicas} replicas"
+          f"{worker}; global batch {batch}, about {batch / replicas:g} examples per replica.",
+          flush=True)
+
   name = model_name(_MODEL.value, x_train.shape[1:])
   num_classes = int(max(y_train.max(), y_test.max())) + 1
-  model = models.get(name, x_train.shape[1:], num_classes)
   optimizer_cls = tfdp_variants.make_dp_optimizer_class(_BASES[_OPTIMIZER.value],
                                                         _ALGORITHM.value)
 
@@ -137,56 +254,73 @@ def main(argv):
                          num_microbatches=_MICRO.value, learning_rate=_LR.value,
                          expected_batch_size=batch if poisson else None, **options)
 
-  sigma = _SIGMA.value
-  if _TARGET.value is not None:
-    nominal = optimizer_at(1.0).privacy_guarantee != "certified"
-    sigma = sampling_lib.noise_multiplier_for(_TARGET.value, sampling, total_steps, _DELTA.value,
-                                              optimizer_at, _ACCOUNTING.value,
-                                              model.trainable_variables, nominal=nominal)
-    kind = "nominal (this algorithm has no certified ε)" if nominal else "certified"
-    print(f"Calibrated noise_multiplier σ = {sigma:.4f} for {kind} ε = {_TARGET.value} after "
-          f"{total_steps} steps ({sampling.describe()}, q = {q:.4f}, δ = {_DELTA.value}).",
-          flush=True)
-
-  optimizer = optimizer_at(sigma)
-  model.compile(optimizer=optimizer, metrics=["accuracy"],
-                loss=tf.keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=models.outputs_logits(name), reduction="none"))
+  # Model, optimizer and compile inside the strategy's scope, so its variables are mirrored.
+  with strategy.scope() if strategy is not None else contextlib.nullcontext():
+    model = models.get(name, x_train.shape[1:], num_classes)
+    sigma = _SIGMA.value
+    if _TARGET.value is not None:
+      nominal = optimizer_at(1.0).privacy_guarantee != "certified"
+      sigma = sampling_lib.noise_multiplier_for(_TARGET.value, sampling, total_steps,
+                                                _DELTA.value, optimizer_at, _ACCOUNTING.value,
+                                                model.trainable_variables, nominal=nominal)
+      kind = "nominal (this algorithm has no certified ε)" if nominal else "certified"
+      print(f"Calibrated noise_multiplier σ = {sigma:.4f} for {kind} ε = {_TARGET.value} after "
+            f"{total_steps} steps ({sampling.describe()}, q = {q:.4f}, δ = {_DELTA.value}).",
+            flush=True)
+    optimizer = optimizer_at(sigma)
+    model.compile(optimizer=optimizer, metrics=["accuracy"],
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=models.outputs_logits(name), reduction="none"))
 
   logdir = _LOGDIR.value or os.path.join("runs", f"{_ALGORITHM.value}-{time.strftime('%Y%m%d-%H%M%S')}")
-  logger = callbacks.PrivacyLogger(delta=_DELTA.value, log_dir=os.path.join(logdir, "privacy"),
+  chief = is_chief(strategy)
+  # Every worker logs (TensorBoard's callback and the privacy logger run on all of them); the
+  # others write to a temporary directory, removed at the end.
+  write_dir = logdir if chief else tempfile.mkdtemp(prefix="tfdp_variants_worker_")
+  logger = callbacks.PrivacyLogger(delta=_DELTA.value, log_dir=os.path.join(write_dir, "privacy"),
                                    method=_ACCOUNTING.value, sampling=sampling)
-  if poisson:
+  fit_steps = None
+  if poisson and replicas > 1:
+    train = poisson_per_replica(strategy, x_train, y_train, q, steps_per_epoch)
+    fit_steps = steps_per_epoch  # The dataset is endless.
+  elif poisson:
     train = data.poisson_dataset(x_train, y_train, q, steps_per_epoch)
-  else:
+  else:  # Under a strategy each global batch is split among the replicas (workers shuffle alike).
     train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
         n, seed=_SEED.value).batch(batch, drop_remainder=drop)
-  history = model.fit(train, epochs=_EPOCHS.value, verbose=1 if sys.stdout.isatty() else 2,
-                      callbacks=[logger, tf.keras.callbacks.TensorBoard(logdir)])
-  _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+  try:
+    history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=fit_steps,
+                        verbose=1 if sys.stdout.isatty() else 2,
+                        callbacks=[logger, tf.keras.callbacks.TensorBoard(write_dir)])
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
 
-  summary = {
-      "test_accuracy": float(accuracy),
-      "epsilon": logger.epsilon, "epsilon_nominal": logger.epsilon_nominal,
-      "privacy_guarantee": optimizer.privacy_guarantee, "delta": _DELTA.value,
-      "sampling": sampling.kind, "adjacency": sampling.adjacency,
-      "noise_multiplier": sigma, "steps": logger.steps,
-      "accounting": _ACCOUNTING.value, "sampling_probability": q,
-      "train_accuracy": float(history.history["accuracy"][-1]),
-      "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
-      "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
-      "learning_rate": _LR.value, "l2_norm_clip": _CLIP.value,
-      "num_microbatches": _MICRO.value, "wall_seconds": round(time.time() - started, 1),
-  }
-  with open(os.path.join(logdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+    summary = {
+        "test_accuracy": float(accuracy),
+        "epsilon": logger.epsilon, "epsilon_nominal": logger.epsilon_nominal,
+        "privacy_guarantee": optimizer.privacy_guarantee, "delta": _DELTA.value,
+        "sampling": sampling.kind, "adjacency": sampling.adjacency,
+        "noise_multiplier": sigma, "steps": logger.steps,
+        "accounting": _ACCOUNTING.value, "sampling_probability": q,
+        "train_accuracy": float(history.history["accuracy"][-1]),
+        "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
+        "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
+        "learning_rate": _LR.value, "l2_norm_clip": _CLIP.value,
+        "num_microbatches": _MICRO.value, "strategy": _STRATEGY.value, "num_replicas": replicas,
+        "wall_seconds": round(time.time() - started, 1),
+    }
+    with open(os.path.join(write_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  finally:
+    if not chief:
+      shutil.rmtree(write_dir, ignore_errors=True)
   certified = ("no certified ε" if logger.epsilon is None else
                f"certified ε = {logger.epsilon:.3f}")
+  where = (f"Logs and summary.json in {logdir}" if chief else
+           f"The chief writes the logs and summary.json to {logdir}")
   print(f"\nTest accuracy {accuracy:.4f} on {len(y_test)} examples; {certified} at δ = "
         f"{_DELTA.value} ({optimizer.privacy_guarantee}: {type(optimizer).__name__}, σ = "
         f"{sigma:.3f}, C = {_CLIP.value}, {sampling.describe()}, q = {q:.4f}, "
-        f"{summary['steps']} steps; nominal ε = {logger.epsilon_nominal:.3f}). Logs and "
-        f"summary.json in {logdir}.")
+        f"{summary['steps']} steps; nominal ε = {logger.epsilon_nominal:.3f}). {where}.")
 
 
 if __name__ == "__main__":
