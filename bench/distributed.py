@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tfdp_variants  # pylint: disable=g-bad-import-order
+from tfdp_variants import replicas  # pylint: disable=g-bad-import-order
 
 # step_time.py defines its own flags on import (--models, --batch_size, --steps, --model, ...):
 # these names differ from them.
@@ -125,15 +125,6 @@ def train_step(strategy: tf.distribute.Strategy, model: tf.keras.Model, optimize
   return lambda x, y: [t.numpy() for t in step(x, y)]
 
 
-def _free_ports(count: int) -> list[int]:
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
-
 
 def launch(num_workers: int, row: str) -> dict:
   """Parent: `num_workers` processes timing `row`; worker 0's result, or {"error": ...}."""
@@ -143,12 +134,11 @@ def launch(num_workers: int, row: str) -> dict:
              f"--intra_op_threads={_THREADS.value}"]
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
   env.pop("TF_CONFIG", None)
-  cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(num_workers)]}
+  configs = replicas.localhost_tf_configs(num_workers)
   processes = []
   for index in range(num_workers):
     if num_workers > 1:
-      env = {**env, "TF_CONFIG": json.dumps({"cluster": cluster,
-                                             "task": {"type": "worker", "index": index}})}
+      env = {**env, "TF_CONFIG": configs[index]}
     processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))
   deadline = time.time() + _TIMEOUT.value

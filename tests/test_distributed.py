@@ -7,10 +7,8 @@ std σC/B_global, and every algorithm against its single-device run.
 """
 
 import functools
-import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -320,15 +318,6 @@ def test_custom_loop_under_mirrored_equals_the_hand_reference():
 # MultiWorkerMirroredStrategy: two worker processes on this host.
 
 
-def _free_ports(count: int) -> list[int]:
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
-
 
 def test_two_workers_apply_the_same_update_as_dpsgd_on_the_global_batch(tmp_path):
   x, y = _data()
@@ -336,13 +325,12 @@ def test_two_workers_apply_the_same_update_as_dpsgd_on_the_global_batch(tmp_path
   inputs = tmp_path / "inputs.npz"
   np.savez(inputs, x=x, y=y, l2_norm_clip=C, learning_rate=LR, batch_size=8, epochs=2,
            noise_multiplier=1.0, **{f"w{i}": w for i, w in enumerate(weights)})
-  workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+  configs = replicas.localhost_tf_configs(2)
   script = pathlib.Path(__file__).with_name("multi_worker_dp.py")
   processes = []
   for index in range(2):
-    env = dict(os.environ, TF_CONFIG=json.dumps(
-        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}),
-               CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, TF_CONFIG=configs[index], CUDA_VISIBLE_DEVICES="",
+               TF_CPP_MIN_LOG_LEVEL="2")
     processes.append(subprocess.Popen(
         [sys.executable, str(script), str(inputs), str(tmp_path / f"worker{index}.npz")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -3,7 +3,6 @@
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import tensorflow as tf
 
 from tfdp_variants import accounting
 from tfdp_variants import data
+from tfdp_variants import replicas
 from tfdp_variants import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -185,15 +185,6 @@ def test_strategy_poisson_per_replica_partitions_the_training_set():
         assert sorted(union) == ids.tolist()
 
 
-def _free_ports(count):
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
-
 
 _SHORT_JOB = ("--optimizer=adam", "--learning_rate=5e-3", "--batch_size=64", "--epochs=3",
               "--noise_multiplier=1.0", "--l2_norm_clip=1.0")
@@ -217,14 +208,13 @@ def test_mirrored_strategy_binary_on_two_cpus(tmp_path):
 
 def test_multi_worker_strategy_binary_in_two_processes(tmp_path):
   """Two workers on localhost; only the chief (worker 0) writes to --logdir."""
-  ports = _free_ports(2)
-  cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+  configs = replicas.localhost_tf_configs(2)
   logdir, scratch = tmp_path / "logs", tmp_path / "worker1_tmp"
   scratch.mkdir()
   workers = []
   for index in range(2):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TMPDIR": str(scratch),
-           "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+           "TF_CONFIG": configs[index]}
     workers.append(subprocess.Popen(
         [sys.executable, "-m", "tfdp_variants.train", "--strategy=multi_worker",
          f"--logdir={logdir}", *_SHORT_JOB],
