@@ -1,12 +1,11 @@
-"""XLA (`jit_compile=True`, Keras 3's default on GPU): exact steps, and a failed self-check that
-cannot raise in the step still stops training and raises from the privacy callbacks."""
+"""XLA (`jit_compile=True`, Keras 3's default on GPU): exact steps, and mixing refused at trace
+time (no step runs)."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import callbacks
 from tfdp_variants import keras_integration
 
 keras = keras_integration.keras
@@ -61,14 +60,15 @@ def test_jit_compiled_fit_is_exact(self_check):
   optimizer.raise_if_self_check_failed()  # Passed: no error.
 
 
-def test_failed_self_check_under_xla_stops_training_and_raises():
+def test_mixing_refused_under_xla_before_any_step():
+  """Mixing is refused at trace time, where XLA (which cannot raise in a step) is not involved;
+  a failed self-check under XLA is in test_engine_fail_closed.py."""
   x, y = _data()
   model = _model(mix=True)
-  optimizer = tfdp_variants.DPSGD(C, 1.0, learning_rate=LR)
-  model.compile(optimizer=optimizer, loss=_loss(), jit_compile=True)
-  logger = callbacks.PrivacyLogger(num_examples=B, batch_size=B, sampling="shuffle")
-  with pytest.raises(RuntimeError, match="self-check failed under XLA.*jit_compile=False"):
-    model.fit(x, y, batch_size=B, epochs=2, verbose=0, callbacks=[logger])
-  assert all(np.isnan(w).all() for w in model.get_weights())  # NaN updates: nothing learned.
-  with pytest.raises(RuntimeError, match="self-check failed"):
-    optimizer.raise_if_self_check_failed()
+  weights = model.get_weights()
+  model.compile(optimizer=tfdp_variants.DPSGD(C, 1.0, learning_rate=LR), loss=_loss(),
+                jit_compile=True)
+  with pytest.raises(ValueError, match="examples are mixed.*reduces over the batch axis"):
+    model.fit(x, y, batch_size=B, epochs=2, verbose=0)
+  for got, want in zip(model.get_weights(), weights):
+    np.testing.assert_array_equal(got, want)

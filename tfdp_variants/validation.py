@@ -10,25 +10,15 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-# Layers whose output for one example depends on the other examples of the batch (Keras 2 keeps
-# its synchronized batch normalization under `experimental`; Keras 3 has no `experimental`).
+# Layers whose output for one example depends on the other examples of the batch in training mode
+# (Keras 2 keeps its synchronized batch normalization under `experimental`; Keras 3 has no
+# `experimental`). Eagerly they are counted (`keras_integration.eager_mixing_calls`); in a graph the
+# trace-time analysis (`per_example.self_check.refuse_in_loss`) refuses any mixing, so a frozen one
+# called with training=False is accepted.
 MIXING_LAYERS: tuple[type, ...] = tuple(
     {tf.keras.layers.BatchNormalization, tf.compat.v1.keras.layers.BatchNormalization,
      *(getattr(tf.keras.layers, "experimental", None) and
        [tf.keras.layers.experimental.SyncBatchNormalization] or [])})
-
-
-def check_model(model: tf.keras.layers.Layer) -> None:
-  """Raises ValueError if a layer of `model` mixes examples (per-example privacy breaks)."""
-  layers = ([model, *model.submodules] if hasattr(model, "submodules")  # Keras 2 (a tf.Module).
-            else model._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access
-  for layer in layers:
-    if isinstance(layer, MIXING_LAYERS):
-      raise ValueError(
-          f"Layer '{layer.name}' ({type(layer).__name__}) mixes the examples of a batch: its "
-          "output for one example depends on the others through batch statistics, so "
-          "per-example gradients, and the privacy guarantee with them, are undefined. Replace "
-          "it with tf.keras.layers.LayerNormalization or GroupNormalization, or remove it.")
 
 
 def training_model() -> Optional[tf.keras.Model]:
@@ -79,11 +69,3 @@ def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:
   if not (is_finite_real(noise_multiplier) and noise_multiplier >= 0):
     raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r} "
                      "(0 means no noise and no privacy).")
-
-
-def assert_finite(norms: tf.Tensor) -> tf.Tensor:
-  """`norms`, after checking at run time that every per-example gradient norm is finite."""
-  return tf.debugging.assert_all_finite(
-      norms, "Non-finite per-example gradient (NaN or Inf): the step is refused rather than "
-      "applied without a bounded sensitivity. Lower the learning rate, check the inputs for "
-      "NaN, or use a numerically stable loss (from_logits=True).")

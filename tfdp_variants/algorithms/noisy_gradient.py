@@ -26,7 +26,6 @@ import tensorflow as tf
 
 from tfdp_variants import noise
 from tfdp_variants import transforms
-from tfdp_variants import validation
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -126,7 +125,7 @@ class NoisyGradient(base.Algorithm):
     beta_gram = gram_of_gaussians(self.noise, m, num_params - rank, s,
                                   max_dim=num_params)  # ⟨P⊥n_i, P⊥n_j⟩
     norms = tf.sqrt(tf.reduce_sum(tf.square(coords + alpha), 1) + tf.linalg.diag_part(beta_gram))
-    w = transforms.clip_factors(validation.assert_finite(norms), self.l2_norm_clip)  # Line 6.
+    w = transforms.clip_factors(norms, self.l2_norm_clip)  # Line 6.
     in_span = tf.linalg.matvec(vec, tf.linalg.matvec(alpha, w, transpose_a=True) / root)
     # Σ_i w_i P⊥n_i = √(wᵀBw) · P⊥ξ / ‖P⊥ξ‖, ξ ~ N(0, I_P).
     xi = [self.noise.normal(v.shape, v.dtype) for v in grads.variables]

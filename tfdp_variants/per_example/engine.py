@@ -34,12 +34,15 @@ class PerExampleGradients:
   """
 
   def __init__(self, variables: Sequence[tf.Variable], factors: Sequence[F.Factor],
-               num_microbatches: tf.Tensor):
+               num_microbatches: tf.Tensor, squared_norms: Optional[list[tf.Tensor]] = None,
+               all_finite: Optional[tf.Tensor] = None):
     self.variables = list(variables)
     self.factors = list(factors)
     self.num_microbatches = num_microbatches
     self.self_check_flag: Optional[tf.Variable] = None  # Set by `self_check.guard`.
-    self._squared_norms = None
+    # Whether every g_m was finite before `finite_only` zeroed the others (else None).
+    self.all_finite = all_finite
+    self._squared_norms = squared_norms
 
   @property
   def rules(self) -> list[str]:
@@ -47,14 +50,26 @@ class PerExampleGradients:
     return [f.rule for f in self.factors]
 
   def squared_norms(self) -> list[tf.Tensor]:
-    """||g_m^k||² for each variable k, each of shape (M,)."""
+    """||g_m^k||² for each variable k, each of shape (M,), in float64 (no overflow for any
+    finite float32 gradient; +inf for a non-finite one, 0 after `finite_only`)."""
     if self._squared_norms is None:
       self._squared_norms = [f.squared_norms() for f in self.factors]
     return self._squared_norms
 
   def global_norms(self) -> tf.Tensor:
-    """||g_m||₂ over all variables together, shape (M,)."""
+    """||g_m||₂ over all variables together, shape (M,), float64."""
     return tf.sqrt(tf.add_n(self.squared_norms()))
+
+  def finite_only(self) -> "PerExampleGradients":
+    """These gradients with every non-finite g_m (an inf or NaN anywhere in it) replaced by zero,
+    so that it contributes nothing on any path (SPEC §6: every example's contribution is bounded,
+    whatever its values, and no NaN or error depends on them)."""
+    squared = self.squared_norms()
+    keep = tf.math.is_finite(tf.add_n(squared))
+    zero = tf.zeros([], tf.float64)
+    return type(self)(self.variables, [f.masked(keep) for f in self.factors],
+                      self.num_microbatches, [tf.where(keep, s, zero) for s in squared],
+                      tf.reduce_all(keep))
 
   def weighted_sum(self, weights: Weights) -> list[tf.Tensor]:
     """Σ_m w_m g_m per variable; `weights` is one (M,) vector or one per variable."""
@@ -180,7 +195,7 @@ def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Opti
       logging.INFO, "Eager per-example gradients: layers that mix examples are recognized only by "
       "their batch-normalization ops; in tf.function (Keras' default) the self-check tests any "
       "layer.", 1)
-  return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m)
+  return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m).finite_only()
 
 
 def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F.Factor:
@@ -219,7 +234,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
     return _eager(loss, variables, num_microbatches, tape)
 
   mb_losses, m = microbatch_losses(loss, num_microbatches)
-  self_check_lib.refuse_in_loss(mb_losses)
+  self_check_lib.refuse_in_loss(loss)
   graph = mb_losses.graph
   handles = [trace.captured_handle(graph, v) for v in variables]
   forward = set(trace.ancestors(mb_losses))
@@ -235,7 +250,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   for var, handle, var_uses in zip(variables, handles, uses):
     with tf.control_dependencies([mb_losses]):  # Rows reshaped by M: after the batch is checked.
       factors.append(_variable_factor(var, handle, var_uses, grads, m, slow_factors, unread))
-  result = PerExampleGradients(variables, factors, m)
+  result = PerExampleGradients(variables, factors, m).finite_only()
   if not self_check:
     return result
   dtypes = {mb_losses.dtype, *(u.output.dtype for u in fast)}
@@ -259,8 +274,6 @@ def per_example_gradients(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, t
     >>> [tuple(g.shape) for g in grads]
     [(4, 3, 2), (4, 2)]
   """
-  validation.check_model(model)
-
   @tf.function
   def run(x, y):
     losses = loss_fn(y, model(x, training=True))

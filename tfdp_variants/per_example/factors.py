@@ -3,16 +3,23 @@
 A factor holds what one op needs to reproduce its variable's per-microbatch gradients without
 materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 
-* `Outer`  (MatMul, Conv2D): g_m = Σ_t A[m, t]ᵀ D[m, t], rows t = an example's positions.
-* `RowSum` (BiasAdd):       g_m = Σ_t D[m, t].
+* `Outer`  (MatMul, Conv2D, EinsumDense): g_m = Σ_t A[m, t]ᵀ D[m, t], rows t = an example's
+  positions.
+* `RowSum` (BiasAdd, broadcast scales and offsets): g_m = Σ_t D[m, t].
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
 * `Columns` (grouped conv): g_m = [g_m¹ … g_mᴳ], one factor per block of the last axis.
 * `Dense`  (exact fallback): the materialized tensor G[m].
 
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
 Σ_m w_m g_m, the materialized g_m for a slice of microbatches, the Gram matrix ⟨g_m, g_n⟩ and the
-inner products ⟨g_m, x⟩ with a tensor x of the variable's shape. Factors know nothing of
-clipping or noise.
+inner products ⟨g_m, x⟩ with a tensor x of the variable's shape, and `masked(keep)`, the factor
+with the rows of microbatches not kept set to zero. Factors know nothing of clipping or noise.
+
+Numerics (BUILD_NOTES, "The only output that depends on the data"): squared norms are float64 and
+never overflow for a finite float32 gradient (‖a‖²·‖d‖² of an input 1e30 and an output gradient
+1e-19 is 1e22, not inf·0); products of Gram matrices are formed from rows scaled by their largest
+entry. A row that holds inf or NaN has squared norm +inf, never NaN, so no clip factor is NaN
+(XLA compiles min(1, NaN) to 1).
 """
 
 from __future__ import annotations
@@ -27,9 +34,41 @@ import tensorflow as tf
 _MAX_MATERIALIZED_ELEMENTS = 1 << 20
 
 
+def _nan_to_inf(x: tf.Tensor) -> tf.Tensor:
+  """+inf where `x` is NaN: a non-finite row's squared norm is +inf, which clips to weight 0."""
+  return tf.where(tf.math.is_nan(x), tf.constant(float("inf"), x.dtype), x)
+
+
 def _sum_sq(x: tf.Tensor) -> tf.Tensor:
-  """Sum of squares over all axes but the first."""
-  return tf.reduce_sum(tf.reshape(tf.square(x), [tf.shape(x)[0], -1]), axis=1)
+  """(M,) float64 sums of squares over all axes but the first (+inf for a non-finite row)."""
+  flat = tf.reshape(tf.cast(x, tf.float64), [tf.shape(x)[0], -1])
+  return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))
+
+
+def _row_scaled(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """(x / s, s²) with s the largest |entry| of each row (axis 0), s² in float64: products of the
+  scaled rows cannot overflow, and s² restores their scale in float64."""
+  s = tf.reduce_max(tf.abs(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
+  shape = tf.concat([tf.shape(s), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
+  return tf.math.divide_no_nan(x, tf.reshape(s, shape)), tf.square(tf.cast(s, tf.float64))
+
+
+def _ghost(gram_a: tf.Tensor, scale_a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+  """(M,) float64 Σ_{t,s} A[m,t,s] (d_t·d_s) for a per-row Gram-like A = scale_a · gram_a."""
+  scaled, scale_d = _row_scaled(d)
+  gram_d = tf.einsum("mto,mso->mts", scaled, scaled)
+  total = tf.cast(tf.reduce_sum(gram_a * gram_d, axis=[1, 2]), tf.float64)
+  return _nan_to_inf(total * scale_a * scale_d)
+
+
+def _rows(x: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+  """`x` with the rows (axis 0) not in `keep` set to zero."""
+  keep = tf.reshape(keep, tf.concat([tf.shape(keep), tf.ones([tf.rank(x) - 1], tf.int32)], 0))
+  return tf.where(keep, x, tf.zeros([], x.dtype))
+
+
+def _weights(w: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+  return tf.cast(w, like.dtype)
 
 
 @dataclasses.dataclass
@@ -63,15 +102,20 @@ class Outer:
 
   def squared_norms(self) -> tf.Tensor:
     if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²
-      return _sum_sq(self.a) * _sum_sq(self.d)
+      return _nan_to_inf(_sum_sq(self.a) * _sum_sq(self.d))
     if self._prefers_materialized():
       return _sum_sq(self._full())
     # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s).
-    gram_a = tf.einsum("mtk,msk->mts", self.a, self.a)
-    gram_d = tf.einsum("mto,mso->mts", self.d, self.d)
-    return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
+    scaled, scale_a = _row_scaled(self.a)
+    return _ghost(tf.einsum("mtk,msk->mts", scaled, scaled), scale_a, self.d)
+
+  def masked(self, keep: tf.Tensor) -> "Outer":
+    full = self._cached()  # Materialized for the norms: the weighted sum reuses it.
+    return Outer(_rows(self.a, keep), _rows(self.d, keep), self.shape,
+                 None if full is None else _rows(full, keep))
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    w = _weights(w, self.d)
     if self._cached() is not None:
       return tf.reshape(tf.tensordot(w, self._materialized, 1), self.shape)
     return tf.reshape(tf.einsum("mtk,mto->ko", self.a, self.d * w[:, None, None]), self.shape)
@@ -107,10 +151,13 @@ class RowSum:
   rule = "rowsum"
 
   def squared_norms(self) -> tf.Tensor:
-    return _sum_sq(tf.reduce_sum(self.d, axis=1))
+    return _sum_sq(tf.reduce_sum(tf.cast(self.d, tf.float64), axis=1))
+
+  def masked(self, keep: tf.Tensor) -> "RowSum":
+    return RowSum(_rows(self.d, keep), self.shape)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    return tf.reshape(tf.einsum("mto,m->o", self.d, w), self.shape)
+    return tf.reshape(tf.einsum("mto,m->o", self.d, _weights(w, self.d)), self.shape)
 
   def gram(self) -> tf.Tensor:
     g = tf.reduce_sum(self.d, axis=1)
@@ -141,11 +188,13 @@ class Gather:
 
   def squared_norms(self) -> tf.Tensor:
     same_row = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.d.dtype)
-    gram_d = tf.einsum("mto,mso->mts", self.d, self.d)
-    return tf.reduce_sum(same_row * gram_d, axis=[1, 2])
+    return _ghost(same_row, tf.ones([], tf.float64), self.d)
+
+  def masked(self, keep: tf.Tensor) -> "Gather":
+    return Gather(self.ids, _rows(self.d, keep), self.shape)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    rows = tf.reshape(self.d * w[:, None, None], [-1, self._width])
+    rows = tf.reshape(self.d * _weights(w, self.d)[:, None, None], [-1, self._width])
     return tf.reshape(
         tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0]), self.shape)
 
@@ -183,6 +232,9 @@ class Columns:
   def squared_norms(self) -> tf.Tensor:
     return tf.add_n([p.squared_norms() for p in self.parts])
 
+  def masked(self, keep: tf.Tensor) -> "Columns":
+    return Columns([p.masked(keep) for p in self.parts], self.shape)
+
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     return tf.reshape(self._join([p.weighted_sum(w) for p in self.parts]), self.shape)
 
@@ -210,8 +262,11 @@ class Dense:
   def squared_norms(self) -> tf.Tensor:
     return _sum_sq(self.g)
 
+  def masked(self, keep: tf.Tensor) -> "Dense":
+    return Dense(_rows(self.g, keep))
+
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    return tf.tensordot(w, self.g, 1)
+    return tf.tensordot(_weights(w, self.g), self.g, 1)
 
   def gram(self) -> tf.Tensor:
     flat = tf.reshape(self.g, [tf.shape(self.g)[0], -1])

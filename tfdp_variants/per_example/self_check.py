@@ -21,18 +21,24 @@ the optimizer's `raise_if_self_check_failed` (which the privacy callbacks call) 
 
 What it cannot see, by design: microbatches other than the first and the last; the Gram matrix and
 inner products (NoisyGradient's projected noise), which `tests/test_per_example.py` ties to the
-materialized gradients; variables whose gradient came from a tape loop (exact, no pfor); mixing
-through `tf.stop_gradient`; and, when no float input with the batch on axis 0 enters the step (ids
-only, data closed over as constants), mixing at all: it says so in a log line rather than pass.
+materialized gradients; variables whose gradient came from a tape loop (exact, no pfor).
 
-`refuse_batch_statistics` is the static half: it finds batch normalization in training mode among
-the ops the loss depends on and refuses it at trace time, in `tf.function`s and eagerly alike.
+Mixing is refused statically, at trace time, on the graph's structure (SPEC §6), never on values:
+`refuse_in_loss` runs `refuse_batch_statistics` (batch normalization in training mode among the
+ops the loss depends on, in `tf.function`s and eagerly alike) and `trace.loss_info`, which proves
+that each example's loss depends on its example alone, or finds the op that mixes examples (behind
+`tf.stop_gradient`, on integer ids, through a value assigned to a variable the loss reads, on data
+closed over as constants) and raises naming it. The runtime half above (the gradient with respect
+to the step's inputs) is only a backstop for a loss the analysis leaves unknown (an op without an
+axis rule): there it still needs a nonzero input gradient and a float input with the batch on axis
+0, and logs when it has none. For a proven loss it does not run.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import Iterator, Optional, Sequence, TYPE_CHECKING
 
 from absl import logging
@@ -111,9 +117,33 @@ def refuse_batch_statistics(ops: Iterator[tf.Operation]) -> None:
                                      "the batch") + " Or run the layer in inference mode.")
 
 
-def refuse_in_loss(mb_losses: tf.Tensor) -> None:
-  """`refuse_batch_statistics` over the ops the (traced) loss depends on."""
-  refuse_batch_statistics(trace.ancestors(mb_losses))
+NO_DATA = ("The per-example loss depends on no input with the batch on axis 0: the traced step "
+           "closes over its data (captured tensors or constants) and none of them has the "
+           "loss's {} rows, so whether the model mixes examples cannot be checked. Pass the "
+           "batch as an argument of the tf.function (or iterate over a tf.data.Dataset in it).")
+# Per graph, the names of the per-example losses proven free of mixing (`refuse_in_loss`).
+_PROVEN: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
+
+
+def refuse_in_loss(loss: tf.Tensor) -> None:
+  """Refuses, at trace time, a per-example `loss` (B, ...) whose examples the model mixes.
+
+  `refuse_batch_statistics` over the ops the loss depends on, then `trace.loss_info`: an op proven
+  to mix examples raises a ValueError naming it and its layer; a loss proven to hold each
+  example's loss on axis 0 is recorded, and `guard` skips the runtime mixing check for it. A loss
+  that depends on no example is analysed again with the captured tensors and constants of B rows
+  taken for the batch, and refused if it still depends on none.
+  """
+  refuse_batch_statistics(trace.ancestors(loss))
+  info = trace.loss_info(loss)
+  if info == trace.NO_BATCH:
+    info = trace.loss_info(loss, loss.shape[0])
+    if info == trace.NO_BATCH:
+      raise ValueError(NO_DATA.format(loss.shape[0] or "B"))
+  if isinstance(info, trace.Mixed):
+    raise ValueError(MIXING.format(info.describe()))
+  if info == trace.Batch(0):
+    _PROVEN.setdefault(loss.graph, set()).add(loss.name)
 
 
 def refuse_in_backward(graph: tf.Graph) -> None:
@@ -223,7 +253,7 @@ def _fill(template: str, value: tf.Tensor) -> tf.Tensor:
 def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
            data: list[tf.Tensor], batch: tf.Tensor, rtol: float, xla: bool) -> tf.Tensor:
   """The check's status, after its assertions (none under XLA); built in the current (branch)
-  graph. A non-finite step (_NOT_RUN) is left to `validation.assert_finite` and checked again on
+  graph. A non-finite step (_NOT_RUN) is checked again on
   the next step."""
   m = tf.cast(grads.num_microbatches, tf.int32)
   checked = [k for k, s in enumerate(sources) if s is not None]
@@ -313,8 +343,9 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
   graph = mb_losses.graph
   xla = control_flow_util.GraphOrParentsInXlaContext(graph)
   rtol = max(_RTOL.get(d, 1e-3) for d in dtypes)
-  data = data_inputs(graph, loss.shape[0])
-  if not data:
+  proven = loss.name in _PROVEN.get(graph, ())
+  data = [] if proven else data_inputs(graph, loss.shape[0])
+  if not data and not proven:
     logging.warning("Per-example self-check: no float input with the batch on axis 0 enters the "
                     "traced step (%s), so the check for layers that mix examples cannot run; the "
                     "gradient comparison still does.", graph.name)
@@ -327,8 +358,12 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
                        read_value=True)
 
   current = flag.read_value()
-  status = tf.cond(tf.equal(current, _NOT_RUN), check, lambda: current)
-  checked = type(grads)(grads.variables, [_Checked(f, status, xla) for f in grads.factors],
-                        grads.num_microbatches)
+  # An empty batch (Poisson sampling) has no microbatch to check: it is checked on a later step.
+  runs = tf.logical_and(tf.equal(current, _NOT_RUN), grads.num_microbatches > 0)
+  status = tf.cond(runs, check, lambda: current)
+  factors = [_Checked(f, status, xla) for f in grads.factors]
+  checked = type(grads)(grads.variables, factors, grads.num_microbatches,
+                        [f._after(s) for f, s in zip(factors, grads.squared_norms())],
+                        grads.all_finite)
   checked.self_check_flag = flag
   return checked

@@ -11,6 +11,14 @@ A rule groups the rows of its op's input by example, so it must know that the in
 examples on axis 0. `batch_axis` proves it: it tracks the batch axis from the data entering the step
 through every op of the forward pass, with one table of per-op rules (`_AXIS_RULES`); an op without
 a rule makes the axis unknown and the variable takes the exact fallback (fail closed).
+
+The same analysis proves that examples are not mixed (`loss_info`): an op that combines several
+examples (a reduction over the batch axis, a product contracting it, batch normalization in training
+mode, `_MIXING`) makes its outputs `Mixed`, and so does every op downstream of it, behind
+`StopGradient` and on integer tensors alike. The deep mode `loss_info` runs in also follows function
+bodies (calls, If, While to a fixed point over its loop variables, TensorLists) and the values
+assigned to a variable that the loss reads (a batch statistic written in `call`, weights perturbed
+with the batch gradient).
 """
 
 from __future__ import annotations
@@ -87,16 +95,33 @@ class Batch:
   """Where a tensor's examples lie: `axis` None for a tensor that depends on no example.
 
   `block`: the block shape of a SpaceToBatchND (a dilated conv) whose axis 0 is (block, example)
-  until the BatchToSpaceND of the same block shape restores example-major order.
+  until the BatchToSpaceND of the same block shape restores example-major order; `MERGED` for an
+  axis each of whose entries belongs to one example, in no example-major order (a reshape merged
+  the batch axis with an earlier one).
   """
 
   axis: Optional[int]
   block: tuple = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+  """A tensor proven to combine several examples: `op` mixed them, as `why` says."""
+
+  op: tf.Operation
+  why: str
+
+  def describe(self) -> str:
+    """The op, its Keras layer (name scope) where it has one, and why it mixes."""
+    scope = self.op.name.rpartition("/")[0]
+    where = f" in layer (name scope) '{scope}'" if scope else ""
+    return f"op '{self.op.name}' ({self.op.type}){where} {self.why}"
+
+
 NO_BATCH = Batch(None)
 _DATA = Batch(0)
-Info = Optional[Batch]  # None: unknown (examples may be mixed or reordered).
+MERGED = ("merged",)  # `Batch.block` of an axis that interleaves the examples (a merging reshape).
+Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 
 
 def constant_value(t: tf.Tensor):
@@ -138,7 +163,7 @@ def _broadcast(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _matmul(op: tf.Operation, ins: list[Info]) -> Info:
-  """MatMul keeps axis 0 of its left operand (rows), never a contracted axis."""
+  """MatMul keeps axis 0 of its left operand (rows), never a contracted axis (`_mix_matmul`)."""
   a, b = ins[:2]
   if b.axis is None and a.axis == 0 and not op.get_attr("transpose_a"):
     return a
@@ -239,7 +264,13 @@ def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
     return Batch(j)
   same = y.rank > b and all(
       p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
-  return ins[0] if same else None
+  if same:
+    return ins[0]
+  j = y.rank - (x.rank - b - 1) - 1  # Axes after the batch axis kept, those before merged into it.
+  if j >= 0 and x[:j].is_fully_defined() and (
+      x[:j] == y[:j] and x[b + 1:].is_fully_defined() and x[b + 1:] == y[j + 1:]):
+    return Batch(j, MERGED)
+  return None
 
 
 def _transpose(op: tf.Operation, ins: list[Info]) -> Info:
@@ -360,6 +391,139 @@ def _one_hot(op: tf.Operation, ins: list[Info]) -> Info:
   return ins[0] if axis == -1 or axis > b else Batch(b + 1)
 
 
+def _cross_entropy(op: tf.Operation, ins: list[Info]) -> Info:
+  """(Sparse)SoftmaxCrossEntropyWithLogits: (B, C) logits, labels; loss (B,) and backprop (B, C)."""
+  return ins[0] if ins[0].axis == 0 and ins[1].axis in (None, 0) else None
+
+
+def _broadcast_to(op: tf.Operation, ins: list[Info]) -> Info:
+  rank, out_rank = _rank(op.inputs[0]), _rank(op.outputs[0])
+  if ins[1].axis is not None or rank is None or out_rank is None:
+    return None
+  return Batch(ins[0].axis + out_rank - rank)
+
+
+def _cumulative(op: tf.Operation, ins: list[Info]) -> Info:
+  axis = constant_value(op.inputs[1])
+  return ins[0] if axis is not None and ins[1].axis is None and _norm(
+      axis, _rank(op.inputs[0])) not in (None, ins[0].axis) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Proofs of mixing: f(op, input infos, some unknown) -> why the op combines several examples, or
+# None. Each holds whatever the unknown inputs are.
+
+
+def _batched(info: Info) -> bool:
+  return isinstance(info, Batch) and info.axis is not None
+
+
+def _several(t: tf.Tensor, axis: int) -> bool:
+  """Whether `axis` of `t` may hold several examples (it is not statically of size 1)."""
+  return t.shape.rank is None or t.shape[axis] != 1
+
+
+_CONTRACTS = "contracts the batch axis (sums over examples)"
+_CROSSES = "combines one example's values with another's"
+
+
+def _mix_over_axis(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """Reductions, cumulative sums: over the batch axis."""
+  x, rank = ins[0], _rank(op.inputs[0])
+  axes = constant_value(op.inputs[1])
+  if not _batched(x) or axes is None or rank is None:
+    return None
+  axes = [_norm(a, rank) for a in (axes if isinstance(axes, list) else [axes])]
+  return ("reduces over the batch axis" if x.axis in axes and _several(op.inputs[0], x.axis)
+          else None)
+
+
+def _mix_all(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  return "reduces over the batch axis" if _batched(ins[0]) else None
+
+
+def _mix_last_axis(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """Softmax and cross entropy normalize over their input's last axis."""
+  x = ins[0]
+  return ("normalizes over the batch axis" if _batched(x) and x.axis == _norm(
+      -1, _rank(op.inputs[0])) and _several(op.inputs[0], x.axis) else None)
+
+
+def _mix_broadcast(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """Elementwise ops on operands batched along different axes of the output (an outer sum)."""
+  out_rank, axes = _rank(op.outputs[0]), set()
+  for t, info in zip(op.inputs, ins):
+    if _batched(info) and out_rank is not None and _rank(t) is not None and _several(
+        t, info.axis):
+      axes.add(info.axis + out_rank - _rank(t))
+  return _CROSSES if len(axes) > 1 else None
+
+
+def _mix_matmul(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """MatMul contracts axis 1 of a (0 if transposed) and axis 0 of b (1 if transposed); batched
+  free axes of both operands cross examples."""
+  a, b = ins[:2]
+  contracted = (int(not op.get_attr("transpose_a")), int(op.get_attr("transpose_b")))
+  for t, info, axis in zip(op.inputs, (a, b), contracted):
+    if _batched(info) and info.axis == axis and _several(t, axis):
+      return _CONTRACTS
+  return _CROSSES if _batched(a) and _batched(b) else None
+
+
+def _mix_batch_matmul(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """BatchMatMul: the left's last axis (adj_x: its row axis) and the right's row axis (adj_y: its
+  last) are contracted; batched axes of the operands must land on one output axis."""
+  rank, axes = _rank(op.outputs[0]), set()
+  adjoint = (op.get_attr("adj_x"), op.get_attr("adj_y"))
+  for k, (t, info) in enumerate(zip(op.inputs[:2], ins[:2])):
+    r = _rank(t)
+    if not _batched(info) or rank is None or r is None:
+      continue
+    contracted = r - 1 if (k == 0) != adjoint[k] else r - 2
+    if info.axis == contracted and _several(t, info.axis):
+      return _CONTRACTS
+    axes.add(info.axis + rank - r if info.axis < r - 2 else rank - 2 + k)
+  return _CROSSES if len(axes) > 1 else None
+
+
+def _mix_einsum(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  equation = op.get_attr("equation").decode().replace(" ", "")
+  if "." in equation:
+    return None
+  lhs, out = equation.split("->")
+  labels = set()
+  for t, spec, info in zip(op.inputs, lhs.split(","), ins):
+    if _batched(info) and _several(t, info.axis):
+      if spec[info.axis] not in out:
+        return _CONTRACTS
+      labels.add(spec[info.axis])
+  return _CROSSES if len(labels) > 1 else None
+
+
+def _mix_batch_norm(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  x = ins[0]
+  if not _batched(x) or not op.get_attr("is_training"):
+    return None
+  channel = 1 if op.get_attr("data_format") in (b"NCHW", b"NCDHW") else _rank(op.inputs[0]) - 1
+  return ("normalizes with statistics over the batch (batch normalization in training mode)"
+          if x.axis != channel and _several(op.inputs[0], x.axis) else None)
+
+
+_MIXING: dict[str, Callable[[tf.Operation, list[Info]], Optional[str]]] = {
+    "Sum": _mix_over_axis, "Mean": _mix_over_axis, "Max": _mix_over_axis, "Min": _mix_over_axis,
+    "Prod": _mix_over_axis, "All": _mix_over_axis, "Any": _mix_over_axis,
+    "ArgMax": _mix_over_axis, "ArgMin": _mix_over_axis, "EuclideanNorm": _mix_over_axis,
+    "Cumsum": _mix_over_axis, "Cumprod": _mix_over_axis, "CumulativeLogsumexp": _mix_over_axis,
+    "L2Loss": _mix_all, "Softmax": _mix_last_axis, "LogSoftmax": _mix_last_axis,
+    "SoftmaxCrossEntropyWithLogits": _mix_last_axis,
+    "SparseSoftmaxCrossEntropyWithLogits": _mix_last_axis,
+    "MatMul": _mix_matmul, "BatchMatMul": _mix_batch_matmul, "BatchMatMulV2": _mix_batch_matmul,
+    "BatchMatMulV3": _mix_batch_matmul, "Einsum": _mix_einsum,
+    "FusedBatchNorm": _mix_batch_norm, "FusedBatchNormV2": _mix_batch_norm,
+    "FusedBatchNormV3": _mix_batch_norm,
+}
+
+
 _ELEMENTWISE = (
     "Abs Add AddN AddV2 BiasAdd Ceil ClipByValue Cos Cosh DivNoNan Elu Equal Erf Erfc Exp Expm1 "
     "Floor FloorDiv FloorMod Gelu Greater GreaterEqual IsFinite IsNan LeakyRelu Less LessEqual Log "
@@ -391,18 +555,49 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "Tile": _tile,
     "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space,
+    "SoftmaxCrossEntropyWithLogits": _cross_entropy,
+    "SparseSoftmaxCrossEntropyWithLogits": _cross_entropy, "BroadcastTo": _broadcast_to,
+    "Cumsum": _cumulative, "Cumprod": _cumulative, "CumulativeLogsumexp": _cumulative,
 }
+_MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 # Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
 # on a blocked tensor makes the axis unknown.
 _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D",
                          "DepthwiseConv2dNative", "BatchToSpaceND"})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
-_NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp"})
+_NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
+                           "TensorListLength", "TensorListElementShape"})
 _DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
                            "MultiDeviceIteratorGetNextFromShard"})
 _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
+# How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` the values
+# assigned to the variables the ops read; `constants` (a batch size) treats captured tensors and
+# constants with that many rows as data.
+_Mode = tuple[bool, bool, Optional[int]]
+_SHALLOW: _Mode = (False, False, None)
 _MEMO: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+# Tensors that the DP mechanism released (the noised update): post-processing mixes nothing.
+_RELEASED: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
+_ASSIGNS = frozenset({
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "ResourceScatterUpdate",
+    "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterMul", "ResourceScatterDiv",
+    "ResourceScatterMin", "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
+    "ResourceScatterNdSub", "ResourceStridedSliceAssign"})
+_IFS = frozenset({"If", "StatelessIf"})
+_WHILES = frozenset({"While", "StatelessWhile"})
+
+
+def _graph_memo(graph: tf.Graph, mode: _Mode) -> dict:
+  return _MEMO.setdefault(graph, {}).setdefault(mode, {"mode": mode})
+
+
+def mark_released(tensors: list[tf.Tensor]) -> None:
+  """Records `tensors` as released by the DP mechanism (privatized gradients): the analysis sees
+  them as depending on no example, so a later step of the same graph may read weights they update."""
+  for t in tensors:
+    if isinstance(t, tf.Tensor) and hasattr(t, "graph"):
+      _RELEASED.setdefault(t.graph, set()).add(t.name)
 
 
 def _composite_inputs(graph: tf.Graph) -> set[str]:
@@ -428,6 +623,14 @@ def _per_replica_dense(spec: tf.TypeSpec) -> bool:
       type(c) is tf.TensorSpec for c in spec._component_specs)  # pylint: disable=protected-access
 
 
+def _rows_of(t: tf.Tensor, batch: Optional[int]) -> bool:
+  """Whether `t`, captured or constant, is taken for data in the constants mode: `batch` rows, and
+  rank 2 or more or floating (a rank-1 integer constant of that length is a shape, not data)."""
+  rank = _rank(t)
+  return batch is not None and bool(rank) and t.shape[0] == batch and (
+      rank > 1 or t.dtype.is_floating)
+
+
 def _placeholder(t: tf.Tensor, memo: dict) -> Info:
   """Base case: arguments of the step carry examples on axis 0, captures what they capture."""
   if t.dtype == tf.resource:
@@ -436,8 +639,8 @@ def _placeholder(t: tf.Tensor, memo: dict) -> Info:
   for external, internal in getattr(graph, "captures", ()):
     if internal is t:
       if isinstance(external, tf.Tensor) and hasattr(external, "op"):  # Symbolic, outer graph.
-        return batch_info(external)
-      return NO_BATCH  # An eager constant.
+        return _analyse(external, _graph_memo(external.graph, memo["mode"]))
+      return _DATA if _rows_of(t, memo["mode"][2]) else NO_BATCH  # An eager constant.
   if "args" not in memo:
     memo["args"] = ({x.name for x in graph.inputs}, _composite_inputs(graph))
   args, composite = memo["args"]
@@ -456,17 +659,117 @@ def _reads_in_body(op: tf.Operation) -> bool:
       for value in op.node_def.attr.values())
 
 
-def _call_outputs(op: tf.Operation, ins: list[Info]) -> list[Info]:
+def _body(graph: Optional[tf.Graph], ins: list[Info], memo: dict,
+          outputs: Optional[list[tf.Tensor]] = None) -> Optional[list[Info]]:
+  """The infos of a function body's outputs given its inputs' (None if it does not fit)."""
+  if graph is None or len(graph.inputs) != len(ins):
+    return None
+  sub = {"mode": memo["mode"], "seed": {p.name: i for p, i in zip(graph.inputs, ins)}}
+  return [_analyse(t, sub) for t in (graph.outputs if outputs is None else outputs)]
+
+
+def _call_outputs(op: tf.Operation, ins: list[Info], memo: dict) -> list[Info]:
   """A call op's outputs: its function body analysed with the call's input axes."""
-  body = function_graph(op)
-  if body is None or len(body.inputs) != len(ins):
+  outs = _body(function_graph(op), ins, memo)
+  return [None] * len(op.outputs) if outs is None else outs
+
+
+def _join(a: Info, b: Info) -> Info:
+  """What holds of a tensor that is either a or b (a branch, a loop variable's iterations)."""
+  for x in (a, b):
+    if isinstance(x, Mixed):
+      return x
+  if a is None or b is None:
+    return None
+  if a == b or b == NO_BATCH:
+    return a
+  return b if a == NO_BATCH else None
+
+
+def _if_outputs(op: tf.Operation, ins: list[Info], memo: dict) -> list[Info]:
+  if isinstance(ins[0], Mixed):
+    return [ins[0]] * len(op.outputs)
+  branches = [_body(function_graph(op, a), ins[1:], memo) for a in ("then_branch", "else_branch")]
+  if None in branches:
     return [None] * len(op.outputs)
-  memo = {"seed": {p.name: i for p, i in zip(body.inputs, ins)}}
-  return [_analyse(t, memo) for t in body.outputs]
+  return [_join(a, b) for a, b in zip(*branches)]
+
+
+def _while_outputs(op: tf.Operation, ins: list[Info], memo: dict) -> list[Info]:
+  """A fixed point over the loop variables: each iteration joins the body's outputs into them."""
+  body, cond, state = function_graph(op, "body"), function_graph(op, "cond"), list(ins)
+  for _ in range(8):
+    outs = _body(body, state, memo)
+    if outs is None or len(outs) != len(state):
+      return [None] * len(op.outputs)
+    new = [_join(a, b) for a, b in zip(state, outs)]
+    if new == state:
+      break
+    state = new
+  else:
+    return [None] * len(op.outputs)
+  decided = _body(cond, state, memo)
+  if decided and isinstance(decided[0], Mixed):  # How long it runs depends on several examples.
+    return [decided[0]] * len(op.outputs)
+  return state
+
+
+def _tensor_list(op: tf.Operation, ins: list[Info]) -> Info:
+  """TensorLists: a list's info is that of its stacked tensor (elements on axis 0)."""
+  if op.type == "TensorListFromTensor":
+    return ins[0] if ins[0].axis != 0 and not ins[0].block else None
+  if op.type == "TensorListGetItem":
+    items, index = ins[:2]
+    if index.axis is not None or items.block:
+      return None
+    return items if items.axis is None else Batch(items.axis - 1)
+  if op.type == "TensorListSetItem":
+    items, index, item = ins[:3]
+    if index.axis is not None or item.block or items.block:
+      return None
+    return _join(items, item if item.axis is None else Batch(item.axis + 1))
+  if op.type == "TensorListStack":
+    return ins[0]
+  return None
+
+
+_WRITE_FIX = (" (a running statistic written in call, weights perturbed with the batch gradient as "
+              "in sharpness-aware minimization: compute the per-example loss from the weights "
+              "and the example alone)")
+
+
+def _assigned(op: tf.Operation, memo: dict) -> Info:
+  """What the values assigned, in this graph, to the variables `op` reads bring into its result
+  (their reads are taken plain: `assigns` off)."""
+  mode = memo["mode"]
+  plain = _graph_memo(op.graph, (mode[0], False, mode[2])) if "seed" not in memo else (
+      memo.setdefault("plain", {"mode": (mode[0], False, mode[2]), "seed": memo["seed"]}))
+  result = NO_BATCH
+  for handle in op.inputs:
+    if handle.dtype != tf.resource:
+      continue
+    for writer in handle.consumers():
+      if writer.type not in _ASSIGNS or writer is op:
+        continue
+      for value in writer.inputs:
+        if value.dtype == tf.resource:
+          continue
+        info = _analyse(value, plain)
+        if isinstance(info, Mixed):
+          return Mixed(writer, f"writes a value mixing several examples (from {info.describe()}) "
+                       f"to a variable that the loss reads{_WRITE_FIX}")
+        if info is None:
+          result = None
+        elif info.axis is not None:
+          return Mixed(writer, "writes a value computed from the batch to a variable that the "
+                       f"loss reads{_WRITE_FIX}")
+  return result
 
 
 def _analyse(t: tf.Tensor, memo: dict) -> Info:
   """Memoized batch info of `t` (iterative, so deep graphs do not hit the recursion limit)."""
+  deep, assigns, constants = memo["mode"]
+  released = _RELEASED.get(t.graph, ())
   stack = [t]
   while stack:
     x = stack[-1]
@@ -476,11 +779,15 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
     op = x.op
     if "seed" in memo and x.name in memo["seed"]:
       memo[x.name] = memo["seed"][x.name]
+    elif x.name in released:
+      memo[x.name] = NO_BATCH
     elif op.type == "Placeholder":
       memo[x.name] = _placeholder(x, memo)
     elif op.type in _DATA_SOURCES:
       for out in op.outputs:
         memo[out.name] = None if out.dtype == tf.variant else _DATA
+    elif op.type == "Const" and _rows_of(x, constants):
+      memo[x.name] = _DATA
     elif op.type in _NO_BATCH_OPS or x.dtype == tf.resource:
       memo[x.name] = NO_BATCH
     else:
@@ -489,15 +796,28 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         stack.extend(pending)
         continue
       ins = [memo[i.name] for i in op.inputs]
-      if any(i is None for i in ins):
+      mixed = next((i for i in ins if isinstance(i, Mixed)), None)
+      why = None if mixed or not any(map(_batched, ins)) or op.type not in _MIXING else (
+          _MIXING[op.type](op, ins))
+      if deep and op.type in _IFS:
+        outs = _if_outputs(op, ins, memo)
+      elif deep and op.type in _WHILES:
+        outs = _while_outputs(op, ins, memo)
+      elif mixed is not None:
+        outs = [mixed] * len(op.outputs)
+      elif why is not None:
+        outs = [Mixed(op, why)] * len(op.outputs)
+      elif any(i is None for i in ins):
         outs = [None] * len(op.outputs)
       elif op.type in _CALLS:
-        outs = _call_outputs(op, ins)
+        outs = _call_outputs(op, ins, memo)
       elif all(i.axis is None for i in ins):
         # Depends on no example (a random mask, a shape), unless a function body (a branch, a
         # loop) may read data through a resource (TF 2.15's distributed input reads its iterator
         # in a cond): unknown.
         outs = [None if _reads_in_body(op) else NO_BATCH] * len(op.outputs)
+      elif deep and op.type.startswith("TensorList"):
+        outs = [_tensor_list(op, ins)] * len(op.outputs)
       elif op.type == "IdentityN":
         outs = ins
       elif op.type in _AXIS_RULES:
@@ -509,6 +829,10 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = [out] * len(op.outputs)
       else:
         outs = [None] * len(op.outputs)
+      if assigns and not isinstance(outs[0] if outs else None, Mixed) and op.type not in _ASSIGNS:
+        written = _assigned(op, memo)
+        if written != NO_BATCH:
+          outs = [written if isinstance(written, Mixed) else None] * len(op.outputs)
       for out, info in zip(op.outputs, outs):
         memo[out.name] = info
     stack.pop()
@@ -517,19 +841,27 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
 
 @tf.autograph.experimental.do_not_convert
 def batch_info(t: tf.Tensor) -> Info:
-  """Where `t`'s examples lie: a `Batch` (axis None: no example), or None if unknown."""
-  return _analyse(t, _MEMO.setdefault(t.graph, {}))
+  """Where `t`'s examples lie: a `Batch` (axis None: no example), `Mixed`, or None if unknown."""
+  return _analyse(t, _graph_memo(t.graph, _SHALLOW))
 
 
 def batch_axis(t: tf.Tensor) -> Optional[int]:
-  """The axis of `t` along which examples lie, if proven; None if unknown or not batched.
+  """The axis of `t` along which examples lie, if proven; None if unknown, mixed or not batched.
 
   Base case: the data entering the step (the function's tensor arguments, iterator outputs) holds
   examples on axis 0; variables, constants and captured eager tensors hold none; ragged and sparse
   components, loop state and any op without a rule in `_AXIS_RULES` are unknown.
   """
   info = batch_info(t)
-  return None if info is None or info.block else info.axis
+  return None if not isinstance(info, Batch) or info.block else info.axis
+
+
+@tf.autograph.experimental.do_not_convert
+def loss_info(loss: tf.Tensor, constants: Optional[int] = None) -> Info:
+  """`loss`'s info in the deep mode: function bodies, If and While, TensorLists, and the values
+  assigned to the variables it reads; with `constants` (the batch size), captured tensors and
+  constants with that many rows count as data (a step that closes over its batch)."""
+  return _analyse(loss, _graph_memo(loss.graph, (True, True, constants)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""Numerics are part of the guarantee (SPEC §6): every example's contribution is bounded by C for
+any values of its data, finite or not, with XLA or without, and no error or NaN depends on them."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp_variants
+from tfdp_variants import per_example
+
+D, B, LR, C = 4, 4, 1.0, 1.0
+
+
+def _model(units=1):
+  model = tf.keras.Sequential([tf.keras.Input((D,)),
+                               tf.keras.layers.Dense(units, kernel_initializer="zeros")])
+  return model
+
+
+class _Linear(tf.keras.losses.Loss):
+  """Per-example loss scale·Σ y_pred: the kernel's gradient is scale·x (a canary's direction)."""
+
+  def __init__(self, scale):
+    super().__init__(reduction="none")
+    self.scale = scale
+
+  def call(self, y_true, y_pred):
+    return self.scale * tf.reduce_sum(y_pred, axis=-1) + 0.0 * tf.reduce_sum(y_true, axis=-1)
+
+
+def _scaled_loss(scale):
+  return _Linear(scale)
+
+
+def _canary_batch(value):
+  x = np.zeros((B, D), np.float32)
+  x[0, 0] = value
+  x[1:, 1] = 1.0
+  return x
+
+
+def _fit_delta(x, loss_scale, jit_compile, optimizer=None, units=1):
+  """The change of the weights after one `fit` step of DPSGD (σ = 0: the clipped sum itself)."""
+  model = _model(units)
+  optimizer = optimizer or tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=0.0,
+                                               learning_rate=LR)
+  model.compile(optimizer=optimizer, loss=_scaled_loss(loss_scale), jit_compile=jit_compile)
+  before = [v.numpy().copy() for v in model.trainable_variables]
+  model.fit(x, np.zeros((len(x), units), np.float32), batch_size=len(x), epochs=1, verbose=0,
+            shuffle=False)
+  return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_overflowing_norm_is_clipped(jit_compile):
+  # Input 1e30·e0, output gradient 1e-19: the kernel's gradient is 1e11·e0 (finite) while
+  # ‖a‖²·‖d‖² in float32 is inf·0. The canary must move the update by at most C/B.
+  delta = _fit_delta(_canary_batch(1e30), 1e-19, jit_compile)
+  kernel, bias = delta
+  assert np.all(np.isfinite(kernel)) and np.all(np.isfinite(bias))
+  # The canary's clipped gradient is C·e0 (its bias gradient, 1e-19, is negligible).
+  np.testing.assert_allclose(kernel[0, 0], -LR * C / B, rtol=1e-5)
+  # The three other examples: gradient (e1, 1)·1e-19, unclipped.
+  np.testing.assert_allclose(kernel[1, 0], -LR * 3e-19 / B, rtol=1e-4)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_norm_beyond_float32_square_is_clipped(jit_compile):
+  # ‖g‖ = 1e25: its square overflows float32 (max 3.4e38) but not float64.
+  delta = _fit_delta(_canary_batch(1e25), 1.0, jit_compile)
+  np.testing.assert_allclose(delta[0][0, 0], -LR * C / B, rtol=1e-5)
+  assert np.all(np.abs(delta[1]) <= LR * B * C / B + 1e-6)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_non_finite_example_contributes_zero(jit_compile, value):
+  # The update over the expected batch size B, with the canary and without it (the neighbour).
+  dp = lambda: tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=0.0, learning_rate=LR,
+                                   expected_batch_size=B)
+  x = _canary_batch(value)
+  delta = _fit_delta(x, 1.0, jit_compile, dp())
+  without = _fit_delta(x[1:], 1.0, False, dp())
+  for got, want in zip(delta, without):
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_factors_norms_are_float64_and_never_nan():
+  a = tf.constant([[[1e30, 0.0]], [[np.inf, 0.0]], [[1.0, 2.0]]])  # (M, T=1, K)
+  d = tf.constant([[[1e-19]], [[0.0]], [[3.0]]])
+  outer = per_example.factors.Outer(a, d, (2, 1))
+  norms = outer.squared_norms().numpy()
+  assert outer.squared_norms().dtype == tf.float64
+  np.testing.assert_allclose(norms[0], 1e22, rtol=1e-6)
+  assert norms[1] == np.inf
+  np.testing.assert_allclose(norms[2], 45.0)
+  # Ghost norm (T > 1) from scaled rows: Σ_t a_t d_tᵀ with a huge and d tiny.
+  a2 = tf.constant([[[1e30, 0.0], [0.0, 1e30]]])
+  d2 = tf.constant([[[1e-20], [2e-20]]])
+  ghost = per_example.factors.Outer(a2, d2, (2, 1))
+  np.testing.assert_allclose(ghost.squared_norms().numpy(), [1e20 + 4e20], rtol=1e-5)
+
+
+def test_empty_first_poisson_batch_is_a_noise_only_step():
+  """A Poisson batch may be empty, the first one too: the step adds the noise alone, over the
+  expected batch size, with the self-check on and no error."""
+  def batches():
+    yield np.zeros((0, D), np.float32), np.zeros((0, 1), np.float32)
+    yield np.ones((3, D), np.float32), np.zeros((3, 1), np.float32)
+
+  signature = (tf.TensorSpec((None, D), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+  data = tf.data.Dataset.from_generator(batches, output_signature=signature)
+  model = _model()
+  optimizer = tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=1.0, learning_rate=LR,
+                                  expected_batch_size=2.0)
+  model.compile(optimizer=optimizer, loss=_scaled_loss(1.0))
+  model.fit(data, epochs=1, verbose=0)
+  assert int(optimizer.dp_steps.numpy()) == 2
+  assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
