@@ -131,32 +131,44 @@ class _Crash(tf.keras.callbacks.Callback):
       raise RuntimeError("killed")
 
 
+def _poisson(x, y):
+  return data.poisson_dataset(x, y, B / N, steps=N // B)
+
+
 def test_backup_and_restore_resume_reports_the_uninterrupted_epsilon(tmp_path):
   x, y = _xy()
-  whole = callbacks.PrivacyLogger(N, B, delta=DELTA, sampling="poisson")
-  _compile(_model()).fit(x, y, batch_size=B, epochs=3, verbose=0, callbacks=[whole])
+  train = _poisson(x, y)
+  whole = callbacks.PrivacyLogger(delta=DELTA, sampling=train.sampling)
+  _compile(_model()).fit(train, epochs=3, verbose=0, callbacks=[whole])
   backup = tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
   with pytest.raises(RuntimeError, match="killed"):
-    _compile(_model()).fit(x, y, batch_size=B, epochs=3, verbose=0,
-                           callbacks=[backup, callbacks.PrivacyLogger(N, B, sampling="poisson"),
+    _compile(_model()).fit(train, epochs=3, verbose=0,
+                           callbacks=[backup, callbacks.PrivacyLogger(sampling=train.sampling),
                                       _Crash()])
-  resumed = callbacks.PrivacyLogger(N, B, delta=DELTA, sampling="poisson")
+  resumed = callbacks.PrivacyLogger(delta=DELTA, sampling=train.sampling)
   model = _compile(_model())
-  model.fit(x, y, batch_size=B, epochs=3, verbose=0, callbacks=[backup, resumed])
+  model.fit(train, epochs=3, verbose=0, callbacks=[backup, resumed])
   assert resumed.steps == whole.steps == 18
   assert resumed.epsilon == pytest.approx(whole.epsilon, rel=1e-12)
   assert whole.epsilon == pytest.approx(accounting.epsilon(SIGMA, B / N, 18, DELTA), rel=1e-12)
 
 
-def test_steps_without_a_logger_are_accounted(tmp_path):
-  """The optimizer counts its steps: a fit without the logger, a .keras reload, then a logger."""
+def test_steps_without_a_logger_have_no_certified_epsilon(tmp_path):
+  """A fit without a privacy callback, a .keras reload, then a logger: the first steps' sampling
+  was never registered, so no ε is certified; the nominal one counts them at q = 1."""
   x, y = _xy()
   model = _compile(_model())
-  model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+  model.fit(_poisson(x, y), epochs=1, verbose=0)
   model.save(tmp_path / "m.keras")
   restored = tf.keras.models.load_model(tmp_path / "m.keras")
-  logger = callbacks.PrivacyLogger(N, B, delta=DELTA, sampling="poisson")
-  restored.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[logger])
-  assert logger.steps == 12
-  assert logger.epsilon == pytest.approx(accounting.epsilon(SIGMA, B / N, 12, DELTA), rel=1e-12)
-  assert logger.ledger.steps == 12
+  train = _poisson(x, y)
+  logger = callbacks.PrivacyLogger(delta=DELTA, sampling=train.sampling)
+  restored.fit(train, epochs=1, verbose=0, callbacks=[logger])
+  assert logger.steps == 12 and logger.epsilon is None
+  nominal = dp_accounting.ComposedDpEvent([
+      dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(SIGMA), 6),
+      dp_accounting.SelfComposedDpEvent(accounting.step_event(SIGMA, B / N), 6)])
+  assert logger.epsilon_nominal == pytest.approx(accounting.epsilon_of_event(nominal, DELTA),
+                                                 rel=1e-12)
+  assert logger.ledger.entries == ((dp_accounting.NonPrivateDpEvent(), 6),
+                                   (accounting.step_event(SIGMA, B / N), 6))

@@ -1,7 +1,73 @@
 """tfdp_variants: published variants of differentially private deep learning as Keras optimizers."""
 
+import contextlib
+import logging
+import os
+import sys
+
+
+def _is_binary() -> bool:
+  """Whether this process is the binary, `python -m tfdp_variants.train`."""
+  argv = getattr(sys, "orig_argv", [])
+  return any(a == "-m" and b == "tfdp_variants.train" for a, b in zip(argv, argv[1:]))
+
+
+@contextlib.contextmanager
+def _quiet_start():
+  """For the binary, unless the user set TF_CPP_MIN_LOG_LEVEL: TensorFlow's start-up lines
+  (oneDNN, CUDA drivers, CPU features), which its native libraries write to stderr as they load,
+  before TF_CPP_MIN_LOG_LEVEL applies, are dropped, and so are later native logs
+  (TF_CPP_MIN_LOG_LEVEL=3; set it to 0 to see them all)."""
+  if not _is_binary() or "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+    yield
+    return
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+  sys.stderr.flush()
+  saved = os.dup(2)
+  try:
+    with open(os.devnull, "w") as devnull:
+      os.dup2(devnull.fileno(), 2)
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+
+
+class _NotConverged(logging.Filter):
+  """Drops dp_accounting's "_compute_log_a_frac failed to converge" warning (45–80% of the
+  tutorials' output): its RDP accountant then leaves that one order out of the minimum over
+  orders, and the ε of the other orders is still a valid bound, so it does not concern the
+  result."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.name == "absl" and str(record.msg).startswith(
+        "_compute_log_a_frac failed to converge"))
+
+
+def _check_backend() -> None:
+  """Raises ImportError unless Keras runs on TensorFlow (Keras 3 may be set to jax or torch)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  message = ("tfdp_variants needs Keras' TensorFlow backend (its per-example gradients read "
+             "TensorFlow graphs), not {!r}: set KERAS_BACKEND=tensorflow before importing Keras "
+             "(or the backend in ~/.keras/keras.json).")
+  try:
+    keras_3 = hasattr(tf.keras, "ops")  # Loads Keras; Keras 2 (tf-keras, TF 2.15) has no ops.
+  except ImportError as e:  # Keras 3 could not load another backend (e.g. jax not installed).
+    if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+      raise ImportError(message.format(os.environ["KERAS_BACKEND"])) from e
+    raise
+  if keras_3:
+    import keras  # pylint: disable=g-import-not-at-top
+    if keras.backend.backend() != "tensorflow":
+      raise ImportError(message.format(keras.backend.backend()))
+
+
+with _quiet_start():  # TensorFlow and Keras load their native libraries.
+  _check_backend()
+
 from tfdp_variants import accounting
 from tfdp_variants import algorithms
+from tfdp_variants import audit
 from tfdp_variants import callbacks
 from tfdp_variants import large_batch
 from tfdp_variants import metrics
@@ -31,3 +97,5 @@ from tfdp_variants.optimizers import TanhFilterSGD
 from tfdp_variants.per_example import per_example_gradients
 
 __version__ = "0.1.0"
+
+logging.getLogger("absl").addFilter(_NotConverged())

@@ -191,6 +191,27 @@ def composed(events: Sequence[dp_accounting.GaussianDpEvent]) -> dp_accounting.D
   return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(list(events))
 
 
+def scaled_sensitivity(event: dp_accounting.DpEvent, factor: float) -> dp_accounting.DpEvent:
+  """`event` with the sensitivity of each of its queries multiplied by `factor` (≥ 1).
+
+  A Gaussian of noise multiplier σ at sensitivity Δ is one of σ/k at sensitivity kΔ (Laplace: its
+  parameter over k), e.g. an example counted twice in one step's sums. Sampled events are refused:
+  their amplification is not the unsampled mechanism's.
+  """
+  if isinstance(event, dp_accounting.GaussianDpEvent):
+    return dp_accounting.GaussianDpEvent(event.noise_multiplier / factor)
+  if isinstance(event, dp_accounting.LaplaceDpEvent):
+    return dp_accounting.LaplaceDpEvent(event.noise_multiplier / factor)
+  if isinstance(event, dp_accounting.SelfComposedDpEvent):
+    return dp_accounting.SelfComposedDpEvent(scaled_sensitivity(event.event, factor), event.count)
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    return dp_accounting.ComposedDpEvent([scaled_sensitivity(e, factor) for e in event.events])
+  if isinstance(event, (dp_accounting.NoOpDpEvent, dp_accounting.NonPrivateDpEvent)):
+    return event
+  raise TypeError(f"Cannot scale the sensitivity of a {type(event).__name__}: only unsampled "
+                  "Gaussian, Laplace and their compositions.")
+
+
 def per_layer_noise_multiplier(noise_multiplier: float, num_layers: int) -> float:
   """σ_eff of per-layer clipping with noise σ·C_k on each of K layers clipped to C_k.
 
@@ -476,7 +497,8 @@ _JSON_EVENT_TYPES = {
 }
 
 
-def _event_to_dict(event: dp_accounting.DpEvent) -> Dict[str, Any]:
+def event_to_dict(event: dp_accounting.DpEvent) -> Dict[str, Any]:
+  """`event` as JSON-ready nested dicts (types of `_JSON_EVENT_TYPES`); see `event_from_dict`."""
   name = type(event).__name__
   if _JSON_EVENT_TYPES.get(name) is not type(event):
     raise TypeError(f"Cannot serialize DpEvent type {type(event).__qualname__}; "
@@ -484,7 +506,7 @@ def _event_to_dict(event: dp_accounting.DpEvent) -> Dict[str, Any]:
 
   def convert(value):
     if isinstance(value, dp_accounting.DpEvent):
-      return _event_to_dict(value)
+      return event_to_dict(value)
     if isinstance(value, (list, tuple)):
       return [convert(v) for v in value]
     if isinstance(value, numbers.Integral):
@@ -495,7 +517,8 @@ def _event_to_dict(event: dp_accounting.DpEvent) -> Dict[str, Any]:
   return {"type": name, **{k: convert(v) for k, v in fields.items()}}
 
 
-def _event_from_dict(data: Dict[str, Any]) -> dp_accounting.DpEvent:
+def event_from_dict(data: Dict[str, Any]) -> dp_accounting.DpEvent:
+  """The event of `event_to_dict`."""
   fields = dict(data)
   name = fields.pop("type")
   if name not in _JSON_EVENT_TYPES:
@@ -504,7 +527,7 @@ def _event_from_dict(data: Dict[str, Any]) -> dp_accounting.DpEvent:
 
   def convert(value):
     if isinstance(value, dict):
-      return _event_from_dict(value)
+      return event_from_dict(value)
     if isinstance(value, list):
       return [convert(v) for v in value]
     return value
@@ -561,7 +584,7 @@ class PrivacyLedger(tf.train.experimental.PythonState):
 
   def to_json(self) -> str:
     return json.dumps({
-        "entries": [{"event": _event_to_dict(event), "count": count}
+        "entries": [{"event": event_to_dict(event), "count": count}
                     for event, count in self._entries]
     })
 
@@ -569,7 +592,7 @@ class PrivacyLedger(tf.train.experimental.PythonState):
   def from_json(cls, text: str) -> "PrivacyLedger":
     ledger = cls()
     for entry in json.loads(text)["entries"]:
-      ledger.record(_event_from_dict(entry["event"]), entry["count"])
+      ledger.record(event_from_dict(entry["event"]), entry["count"])
     return ledger
 
   def serialize(self) -> str:

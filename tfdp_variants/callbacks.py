@@ -9,6 +9,8 @@ TensorBoard shows them.
 - `PrivacyBudget`: stops training before the next step would take ε past a target.
 - `TPVDCallback`: TPVD (Lin et al. 2020) against reference weights or a non-private twin.
 - `LayerNormLogger`: per-variable per-example gradient-norm histograms and the clip fraction.
+- `DropTrainingLogs`: keeps Keras' loss and metrics, computed on the private batch without noise,
+  out of the logs.
 
 Accounting. The steps are the optimizer's own count of privatized steps (`dp_steps`, saved with
 its state), so ε survives a resume from a checkpoint, a `.keras` file or `BackupAndRestore`.
@@ -102,16 +104,20 @@ def _dp_optimizer(model: tf.keras.Model, who: str) -> DPOptimizerMixin:
   return optimizer
 
 
-def _ledger(event: Optional[dp_accounting.DpEvent], steps: int) -> accounting.PrivacyLedger:
-  """A ledger of a run's composed `event` (None: `steps` steps without a proven bound)."""
+def _ledger(segments: list[sampling_lib.Segment], nominal: bool) -> accounting.PrivacyLedger:
+  """A ledger of the segments' certified (or nominal) events (a segment without a certified event
+  is `NonPrivateDpEvent` once per step)."""
   ledger = accounting.PrivacyLedger()
-  if event is None:
-    if steps:
-      ledger.record(dp_accounting.NonPrivateDpEvent(), steps)
-  elif isinstance(event, dp_accounting.SelfComposedDpEvent):
-    ledger.record(event.event, event.count)
-  elif not isinstance(event, dp_accounting.NoOpDpEvent):
-    ledger.record(event)
+  for segment in segments:
+    event = segment.nominal_event() if nominal else segment.certified_event()
+    if event is None:
+      ledger.record(dp_accounting.NonPrivateDpEvent(), segment.steps)
+      continue
+    for part in (event.events if isinstance(event, dp_accounting.ComposedDpEvent) else [event]):
+      if isinstance(part, dp_accounting.SelfComposedDpEvent):
+        ledger.record(part.event, part.count)
+      elif not isinstance(part, dp_accounting.NoOpDpEvent):
+        ledger.record(part)
   return ledger
 
 
@@ -138,14 +144,22 @@ class _StepCounter(tf.keras.callbacks.Callback):
 
 
 class _Accountant(tf.keras.callbacks.Callback):
-  """ε of the steps the model's DP optimizer has privatized, under the run's sampling.
+  """ε of what the model's DP optimizer ran: the segments of its ledger (`sampling.segments`).
 
-  The step count is the optimizer's own `dp_steps`, counted in the graph that draws the noise and
-  saved with the optimizer, so a run resumed from a checkpoint, a `.keras` file or
-  `BackupAndRestore`, or trained partly without this callback, is accounted in full.
+  The steps are the optimizer's own `dp_steps`, counted in the graph that draws the noise; the
+  ledger beside them, saved with the optimizer, holds for each segment of steps the sampling and
+  the events it ran under, so that a run resumed from a checkpoint, a `.keras` file or
+  `BackupAndRestore`, with the same configuration or another, composes what actually ran. Each fit
+  opens a segment with this callback's sampling, once the optimizer is built and any restore has
+  run (its first batch); steps that no privacy callback registered (a custom loop, a fit without
+  one) have no certified ε (it is None from then on), only a nominal one (q = 1).
+
+  The sampling is checked against the data fit trains on (`sampling.of_fit`): fit's batch size
+  and array length, a tf.data pipeline's batch size and size, the Poisson dataset's own sampling;
+  a mismatch is refused.
 
   Attributes:
-    sampling: the `tfdp_variants.sampling.Sampling` the run is accounted under.
+    sampling: the `tfdp_variants.sampling.Sampling` of this fit (with what its pipeline adds).
     steps: the optimizer's privatized steps when last read.
     ledger, nominal_ledger: `PrivacyLedger`s of the certified and nominal events of those steps
       (a step without a certified event is `NonPrivateDpEvent`).
@@ -160,26 +174,41 @@ class _Accountant(tf.keras.callbacks.Callback):
     self.method = method
     self.steps = 0
     self._optimizer: Optional[DPOptimizerMixin] = None
+    self._registered = False
 
   def on_train_begin(self, logs=None):
     self._optimizer = _dp_optimizer(self.model, type(self).__name__)
+    who = type(self).__name__
     expected = self._optimizer.expected_batch_size
     if self.sampling.kind == "poisson" and expected != self.sampling.batch_size:
       raise ValueError(
-          f"{type(self).__name__}: Poisson sampling is certified only when the optimizer divides "
+          f"{who}: Poisson sampling is certified only when the optimizer divides "
           f"by the expected batch size {self.sampling.batch_size:g} (the realized size would "
           f"reveal the sample), but its expected_batch_size is {expected!r}. Build it with "
           f"expected_batch_size={self.sampling.batch_size:g} and train on "
           "tfdp_variants.data.poisson_dataset(...), or account fit's batches as "
           "sampling=\"shuffle\".")
-    steps = self.params.get("steps")
-    if steps is not None and steps not in (self.sampling.steps_per_epoch,
-                                           math.ceil(1 / self.sampling.sampling_probability)):
-      logging.warning("%s: fit runs %d steps per epoch, but %s of %d examples in batches of %g "
-                      "take %d: check that the sampling, num_examples and batch_size are those "
-                      "of fit.", type(self).__name__, steps, self.sampling.kind,
-                      self.sampling.num_examples, self.sampling.batch_size,
-                      self.sampling.steps_per_epoch)
+    inputs = keras_integration.fit_inputs(self.model)
+    if inputs is not None:
+      self.sampling = sampling_lib.of_fit(self.sampling, inputs.x, inputs.batch_size,
+                                          inputs.validation_split, who)
+      if inputs.registered not in (None, self.sampling):
+        raise ValueError(f"{who} was told {self.sampling}, but another privacy callback of this "
+                         f"fit {inputs.registered}: give them the same sampling.")
+      inputs.registered = self.sampling
+    self._registered = False
+
+  def on_train_batch_begin(self, batch, logs=None):
+    if not self._registered:
+      self._register()
+
+  def _register(self) -> None:
+    """Opens the ledger segment of this fit, after every callback's on_train_begin (a restore
+    there replaces the optimizer's state) and once the optimizer is built (Keras 2 builds it in
+    the first step: its restored variables take their values when made)."""
+    _build(self.model, self._optimizer)
+    sampling_lib.open_segment(self._optimizer, self.sampling, self.model.trainable_variables)
+    self._registered = True
     self._read_steps()
 
   def _read_steps(self) -> int:
@@ -187,21 +216,32 @@ class _Accountant(tf.keras.callbacks.Callback):
     self.steps = 0 if counter is None else int(counter.numpy())
     return self.steps
 
-  def _events(self, steps: int):
-    return sampling_lib.training_events(self._optimizer, self.sampling, steps,
-                                        self.model.trainable_variables)
-
   def _epsilons(self, steps: int) -> tuple[Optional[float], float]:
-    return sampling_lib.epsilons(self._optimizer, self.sampling, steps, self.delta, self.method,
-                                 self.model.trainable_variables)
+    return sampling_lib.ledger_epsilons(self._optimizer, self.delta, self.method,
+                                        self.model.trainable_variables, steps)
+
+  def _segments(self) -> list[sampling_lib.Segment]:
+    return sampling_lib.segments(self._optimizer, self.model.trainable_variables)
 
   @property
   def ledger(self) -> accounting.PrivacyLedger:
-    return _ledger(self._events(self.steps)[0], self.steps)
+    return _ledger(self._segments(), nominal=False)
 
   @property
   def nominal_ledger(self) -> accounting.PrivacyLedger:
-    return _ledger(self._events(self.steps)[1], self.steps)
+    return _ledger(self._segments(), nominal=True)
+
+
+def _build(model: tf.keras.Model, optimizer: DPOptimizerMixin) -> None:
+  """Builds `optimizer` for the model's trainable variables if no step has yet (Keras 2)."""
+  if optimizer.dp_steps is not None:
+    return
+  variables = model.trainable_variables
+  with model.distribute_strategy.scope():
+    if keras_integration.is_legacy(type(optimizer)):
+      optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+    else:
+      optimizer.build(variables)
 
 
 class PrivacyLogger(_Accountant):
@@ -298,9 +338,12 @@ class PrivacyBudget(_Accountant):
     return nominal if self.nominal else certified
 
   def _max_steps(self) -> int:
-    """The largest total step count whose ε is within the target (ε grows with the steps)."""
+    """The largest total step count whose ε is within the target (ε grows with the steps), the
+    steps to come run under this fit's segment."""
     affordable = lambda steps: self._budgeted_epsilon(steps) <= self.target_epsilon
-    low, high = 0, 1
+    low, high = self.steps, self.steps + 1
+    if not affordable(low):
+      return low - 1
     while affordable(high):
       low, high = high, 2 * high
     while high - low > 1:
@@ -317,6 +360,14 @@ class PrivacyBudget(_Accountant):
           "Use the algorithm's certified mode (and unseeded noise), or pass nominal=True to stop "
           "at the ε the paper accounts (not a guarantee).")
     self._steps_ahead = keras_integration.steps_per_execution(self.model, "PrivacyBudget")
+
+  def _register(self) -> None:
+    super()._register()
+    if not self.nominal and self._epsilons(self.steps)[0] is None:
+      raise ValueError(
+          "PrivacyBudget: steps that no privacy callback registered (a custom loop, a fit without "
+          "one) have run on this optimizer, so it has no certified ε to budget: give every fit a "
+          "PrivacyLogger or PrivacyBudget, or pass nominal=True (no guarantee).")
     self.max_steps = self._max_steps()
     if self.steps + self._steps_ahead > self.max_steps:
       raise ValueError(
@@ -325,6 +376,8 @@ class PrivacyBudget(_Accountant):
           f"{self._steps_ahead}. Raise target_epsilon or the noise multiplier.")
 
   def on_train_batch_end(self, batch, logs=None):
+    if not self._registered:  # A fit that ran no batch callbacks' begin (never, in Keras' fit).
+      self._register()
     steps, ahead = self._read_steps(), self._steps_ahead
     if steps + ahead <= self.max_steps:
       return
@@ -517,3 +570,35 @@ class LayerNormLogger(tf.keras.callbacks.Callback):
 
   def on_train_end(self, logs=None):
     self._summaries.close()
+
+
+class DropTrainingLogs(tf.keras.callbacks.Callback):
+  """Removes Keras' logged loss and metrics from `logs`: they are computed on the private batch
+  without noise, outside the privacy guarantee (README, "What the ε means").
+
+  List it first, `fit(..., callbacks=[DropTrainingLogs(), logger])`: the progress bar, History,
+  TensorBoard and every callback listed after it see none of them (a callback listed before it
+  does); the privacy callbacks listed after it still add ε. Validation metrics (`val_*`) go too,
+  unless `keep_validation=True` (for validation data outside the private training set).
+  """
+
+  def __init__(self, keep_validation: bool = False):
+    super().__init__()
+    self.keep_validation = keep_validation
+
+  def _drop(self, logs) -> None:
+    for key in [k for k in logs or {} if not (self.keep_validation and k.startswith("val_"))]:
+      del logs[key]
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._drop(logs)
+
+  def on_test_batch_end(self, batch, logs=None):
+    if not self.keep_validation:
+      self._drop(logs)
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._drop(logs)
+
+  def on_train_end(self, logs=None):
+    self._drop(logs)

@@ -103,13 +103,17 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split
 
 
 def _labels(y: np.ndarray, path: str, split: str) -> np.ndarray:
-  """Integer class ids of shape (N,); (N, 1) is flattened, one-hot labels are refused."""
+  """Integer class ids of shape (N,); (N, 1) is flattened, one-hot and float labels refused."""
   if y.ndim == 2 and y.shape[1] == 1:
     y = y[:, 0]
   if y.ndim != 1:
     raise ValueError(f"{path}: y_{split} has shape {y.shape}, but labels must be integer class "
                      "ids of shape (N,) (the losses are sparse categorical). For one-hot labels "
                      "save y.argmax(axis=1).")
+  if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.bool_)):
+    raise ValueError(f"{path}: y_{split} has dtype {y.dtype}, but labels must be integer class "
+                     "ids (the losses are sparse categorical). Save them as integers, e.g. "
+                     "y.astype(np.int64) once you have checked that they are whole numbers.")
   return y.astype(np.int32)
 
 

@@ -10,7 +10,13 @@ the first and Keras 2 on the others; everything that differs between them is her
   calls `apply_gradients` with the batch's summed gradients: a DP optimizer keeps that loss
   (`remember_loss`) and computes its gradients from the traced graph in `apply` instead (Keras'
   summed gradients are left unused). A step with no such loss (a custom `train_step` that never
-  calls `scale_loss`, an eager step) is refused, never applied.
+  calls `scale_loss`, an eager step) is refused, never applied; so is one whose gradients are not
+  those `tf.GradientTape.gradient` returned for the very tensor `scale_loss` returned (a term
+  added after `scale_loss` would be dropped): this module wraps `GradientTape.gradient` to note,
+  in a graph, which target each gradient is of.
+* Batches and microbatches. `fit` is wrapped: for a DP optimizer with `num_microbatches`, batch
+  sizes that do not divide into them (a partial last batch of arrays or of `.batch()` without
+  `drop_remainder`) are refused before the first step.
 * Model losses. `Model.compute_loss` adds the model's losses (weight regularizers, `add_loss`
   terms) to the compiled loss, which breaks a per-example loss vector (Keras 2: "Shapes must be
   equal rank"; Keras 3 broadcasts them into every example's loss, clipping the regularizer with the
@@ -33,6 +39,9 @@ the first and Keras 2 on the others; everything that differs between them is her
   undivided per-example loss; and two Keras 3.15 failures are worked around: building a DP model
   from an unevenly split first batch, and fit's scalar logs under MultiWorkerMirroredStrategy
   (tensorflow/tensorflow#72388; that fix serves every model, whose fit failed there).
+* Fit's data. `fit` is wrapped, once, so that the privacy callbacks can check their sampling
+  against the data it trains on (`fit_inputs`) and the optimizer's ledger segment closes when it
+  ends (`tfdp_variants.sampling`).
 * Saving. Every class made by `make_dp_optimizer_class` is serialized under one registered name,
   `tfdp_variants>DPOptimizer`, with its recipe (base class, algorithm, options) in its config, so a
   saved model loads in a process that has not made the class yet.
@@ -51,13 +60,14 @@ import tensorflow as tf
 
 from tfdp_variants import per_example
 from tfdp_variants import replicas
+from tfdp_variants import sampling as sampling_lib
 from tfdp_variants import validation
 from tfdp_variants.per_example import PerExampleGradients
 from tfdp_variants.per_example import trace
 
 KERAS_3 = hasattr(tf.keras, "ops")  # Keras 2 (TF 2.15's, tf-keras) has no `keras.ops`.
 # Keras 3 itself (TF 2.21's `tf.keras` is a reduced view of it, without `keras.saving`), or Keras 2:
-# tf-keras under TF_USE_LEGACY_KERAS=1, TF 2.15's own.
+# tf-keras under TF_USE_LEGACY_KERAS=1, TF 2.15's own. (Its backend is checked by `__init__`.)
 keras = importlib.import_module("keras") if KERAS_3 else tf.keras
 
 if KERAS_3:
@@ -136,6 +146,20 @@ def check_aggregated(who: str, apply_gradients: Callable, args: tuple, kwargs: d
         "1/√R of the noise). Let apply_gradients aggregate them (the default).")
 
 
+def check_step_settings(optimizer) -> None:
+  """Raises ValueError for Keras optimizer settings a DP step cannot honour: Keras 3's
+  `loss_scale_factor` (`apply` would divide the private gradient, computed at the loss' true
+  scale, by it) and Keras' gradient clipping under several replicas
+  (`replicas.check_keras_clipping`)."""
+  who = type(optimizer).__name__
+  if getattr(optimizer, "loss_scale_factor", None) is not None:
+    raise ValueError(f"{who}.loss_scale_factor is {optimizer.loss_scale_factor!r}, which DP "
+                     "optimizers do not support: the per-example gradients are clipped at their "
+                     "true scale, and Keras would divide the private update by the factor. Set "
+                     "it back to None.")
+  replicas.check_keras_clipping(optimizer, who)
+
+
 # Keras 3: the per-example loss of a step, from `scale_loss` to `apply`.
 
 # optimizer -> {graph: {thread: loss}}; MirroredStrategy traces each replica in its own thread.
@@ -146,36 +170,106 @@ _LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def remember_loss(optimizer, loss) -> None:
+# graph -> {id(gradient): (weak reference to it, weak reference to its tape.gradient target)}.
+_TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_tape_gradient = tf.GradientTape.gradient
+
+
+@functools.wraps(_tape_gradient)
+def _recording_gradient(self, target, sources, output_gradients=None, *args, **kwargs):
+  """tf.GradientTape.gradient, noting in a graph which target each gradient is of (a gradient
+  seeded with `output_gradients` is of no target): `remembered_loss` checks them."""
+  result = _tape_gradient(self, target, sources, output_gradients, *args, **kwargs)
+  if KERAS_3 and not tf.executing_eagerly():
+    of = (weakref.ref(target) if output_gradients is None and isinstance(target, tf.Tensor)
+          else (lambda: None))
+    record = _TAPE_GRADIENTS.setdefault(tf.compat.v1.get_default_graph(), {})
+    for gradient in tf.nest.flatten(result):
+      if gradient is not None:
+        record[id(gradient)] = (weakref.ref(gradient), of)
+  return result
+
+
+_recording_gradient.tfdp_wrapper = True
+if not getattr(tf.GradientTape.gradient, "tfdp_wrapper", False):
+  tf.GradientTape.gradient = _recording_gradient
+
+
+def remember_loss(optimizer, loss, scaled) -> None:
   """Keeps the loss Keras 3's `train_step` passes to `optimizer.scale_loss` for this graph (and
-  replica), undivided by the replicas if `compute_loss` divided it."""
+  replica), undivided by the replicas if `compute_loss` divided it, with `scaled`, what
+  `scale_loss` returned. An eager loss is not kept (see `why_no_loss`)."""
   graph = getattr(loss, "graph", None)
+  if graph is None or tf.executing_eagerly():
+    return
   reported, undivided = _REPLICA_SCALED.get(graph, {}).pop(id(loss), (None, None))
   if reported is not None and reported() is loss:
     loss = undivided
-  if graph is not None:
-    graphs = _LOSSES.setdefault(optimizer, weakref.WeakKeyDictionary())
-    graphs.setdefault(graph, {})[threading.get_ident()] = loss
+  graphs = _LOSSES.setdefault(optimizer, weakref.WeakKeyDictionary())
+  graphs.setdefault(graph, {})[threading.get_ident()] = (loss, scaled)
 
 
-def remembered_loss(optimizer) -> Optional[tf.Tensor]:
-  """The loss `remember_loss` kept in the current graph and replica (handed out once), else
-  None."""
+def remembered_loss(optimizer, grads: Sequence) -> Optional[tf.Tensor]:
+  """The loss `remember_loss` kept in the current graph and replica (handed out once), else None.
+
+  Raises ValueError unless every gradient in `grads` is one `tf.GradientTape.gradient` returned
+  for the very tensor `scale_loss` returned: the optimizer privatizes that loss alone, so the
+  gradient of anything else (a term added after `scale_loss`, changed gradients) would be
+  replaced without a word.
+  """
   if tf.executing_eagerly():
     return None
-  losses = _LOSSES.get(optimizer, {}).get(tf.compat.v1.get_default_graph(), {})
-  return losses.pop(threading.get_ident(), None)
+  graph = tf.compat.v1.get_default_graph()
+  kept = _LOSSES.get(optimizer, {}).get(graph, {}).pop(threading.get_ident(), None)
+  if kept is None:
+    return None
+  loss, scaled = kept
+  record = _TAPE_GRADIENTS.get(graph, {})
+  for gradient in grads:
+    if gradient is None:
+      continue
+    found, of = record.get(id(gradient), (lambda: None, lambda: None))
+    if found() is not gradient or of() is not scaled:
+      raise ValueError(
+          f"{type(optimizer).__name__} was given gradients that are not the gradients of the "
+          "loss this step passed to its scale_loss (a custom train_step that adds a term to the "
+          "loss after scale_loss, differentiates another tensor, or changes the gradients). The "
+          "DP optimizer privatizes the per-example loss given to scale_loss and nothing else. "
+          "Compute every term per example before scale_loss (loss = "
+          "optimizer.scale_loss(per_example_loss)), then pass tape.gradient(loss, variables) to "
+          "apply_gradients unchanged.")
+  return loss
 
 
-def why_no_loss() -> str:
+def _wrapping(inner) -> Optional[LossScaleOptimizer]:
+  """The LossScaleOptimizer around `inner` whose method is on the call stack, if any."""
+  frame = inspect.currentframe()
+  try:
+    while frame is not None:
+      owner = frame.f_locals.get("self")
+      if isinstance(owner, LossScaleOptimizer) and owner.inner_optimizer is inner:
+        return owner
+      frame = frame.f_back
+    return None
+  finally:
+    del frame
+
+
+def why_no_loss(optimizer) -> str:
   """Why Keras 3 gave a DP optimizer no per-example loss for this step, and the fix."""
   model = validation.training_model()
-  if model is not None and isinstance(model.optimizer, LossScaleOptimizer):
-    return ("Keras 3's LossScaleOptimizer (mixed precision) scales the loss without passing it "
-            "on; train in float32 (keras.mixed_precision.set_global_policy('float32'))")
+  if _wrapping(optimizer) is not None or (
+      model is not None and isinstance(model.optimizer, LossScaleOptimizer)):
+    return ("Keras 3's LossScaleOptimizer (mixed precision) wraps it and scales the loss without "
+            "passing it on, so mixed precision is not supported on Keras 3: train in float32 "
+            "(keras.mixed_precision.set_global_policy('float32')) and pass the DP optimizer "
+            "itself")
   if tf.executing_eagerly():
-    return ("an eager step keeps no loss to privatize (in fit: run_eagerly=True, where Keras' "
-            "tape is spent by then; compile without it)")
+    return ("run_eagerly=True is not supported by fit with a DP optimizer: an eager step keeps no "
+            "loss to privatize. Compile with run_eagerly=False, or train eagerly in a custom "
+            "loop with optimizer.apply_gradients(optimizer.compute_gradients(loss, variables, "
+            "tape))")
   return ("its scale_loss was not given this step's per-example loss (a custom train_step that "
           "does not call optimizer.scale_loss(loss) inside its GradientTape)")
 
@@ -202,18 +296,9 @@ def loss_scale_wrapper(inner) -> Optional[LossScaleOptimizer]:
   Its `compute_gradients` scales the loss before calling `inner`'s, and its `apply_gradients`
   unscales, aggregates and passes the gradients on to `inner`'s.
   """
-  if KERAS_3:  # Its LossScaleOptimizer never passes the loss on: refused by `remembered_loss`.
+  if KERAS_3:  # Its LossScaleOptimizer never passes the loss on: refused (`why_no_loss`).
     return None
-  frame = inspect.currentframe()
-  try:
-    while frame is not None:
-      owner = frame.f_locals.get("self")
-      if isinstance(owner, LossScaleOptimizer) and owner.inner_optimizer is inner:
-        return owner
-      frame = frame.f_back
-    return None
-  finally:
-    del frame
+  return _wrapping(inner)
 
 
 class UnscaledGradients:
@@ -357,6 +442,65 @@ if not getattr(keras.Model.compute_loss, "tfdp_wrapper", False):
   keras.Model.compute_loss = _compute_loss
 
 
+# Batches that do not split into num_microbatches: refused before fit's first step.
+
+
+def _batch_sizes(x, batch_size: Optional[int], validation_split: float) -> Optional[set[int]]:
+  """The sizes of the batches fit will make from `x`, where its structure says (None: unknown)."""
+  if isinstance(x, tf.data.Dataset):
+    size = tf.nest.flatten(x.element_spec)[0].shape
+    if size.rank and size[0] is not None:
+      return {int(size[0])}
+    while x is not None and not hasattr(x, "_batch_size"):  # The .batch() under prefetch, map...
+      x = getattr(x, "_input_dataset", None)
+    drop = None if x is None else tf.get_static_value(x._drop_remainder)  # pylint: disable=protected-access
+    if drop is None or drop:
+      return None
+    n, b = int(x._input_dataset.cardinality()), int(x._batch_size)  # pylint: disable=protected-access
+  else:
+    shapes = [tf.TensorShape(getattr(t, "shape", None)) for t in tf.nest.flatten(x)]
+    sizes = [s[0] for s in shapes if s.rank and s[0] is not None]
+    if not sizes:
+      return None  # A generator or PyDataset: each step checks its own batch.
+    n = int(sizes[0] * (1.0 - (validation_split or 0.0)))  # Keras' split.
+    b = batch_size or 32
+  if n < 0:  # Infinite or unknown cardinality.
+    return {b}
+  return {min(b, n), n % b} - {0}
+
+
+_keras_fit = keras.Model.fit
+
+
+@functools.wraps(_keras_fit)
+def _fit(self, *args, **kwargs):
+  """Keras' fit; for a DP optimizer with num_microbatches, first refuses batches that would not
+  split into them (else the in-graph check stops fit at the partial last batch, after training on
+  the earlier ones)."""
+  optimizer = unwrap(getattr(self, "optimizer", None))
+  microbatches = getattr(optimizer, "num_microbatches", None) if _is_dp(optimizer) else None
+  if microbatches is not None:
+    bound = inspect.signature(_keras_fit).bind(self, *args, **kwargs).arguments
+    sizes = _batch_sizes(bound.get("x"), bound.get("batch_size"),
+                         bound.get("validation_split", 0.0))
+    bad = sorted(size for size in sizes or () if size % microbatches)
+    if bad:
+      raise ValueError(
+          f"fit would train on batches of {bad} examples: each batch size must be a multiple "
+          f"of num_microbatches={microbatches}. Choose a batch size divisible by "
+          f"{microbatches} and drop the partial last batch (tf.data: .batch(batch_size, "
+          "drop_remainder=True); arrays: a number of examples divisible by batch_size), or set "
+          "num_microbatches=None (one per example).")
+  if _is_dp(optimizer):
+    return _fit_recording(self, args, kwargs)
+  return _keras_fit(self, *args, **kwargs)
+
+
+_fit.tfdp_wrapper = True
+if not getattr(keras.Model.fit, "tfdp_wrapper", False):
+  keras.Model.fit = _fit
+
+
 # Keras 3 under a strategy: building the model from the first batch.
 
 
@@ -441,6 +585,42 @@ for _layer in validation.MIXING_LAYERS:
   _owner = next(k for k in _layer.__mro__ if "call" in vars(k))  # Keras 2: a shared base class.
   if _owner is not keras.layers.Layer and not getattr(_owner.call, "tfdp_wrapper", False):
     _owner.call = _counting(_owner.call)
+
+
+# What fit trains on, for the privacy callbacks.
+
+
+class FitInputs:
+  """The data of a running `fit` of a DP model, as the privacy callbacks check it
+  (`tfdp_variants.sampling.of_fit`); `registered` is the sampling the first of them opened."""
+
+  def __init__(self, x, batch_size: Optional[int], validation_split: float):
+    self.x = x
+    self.batch_size = batch_size
+    self.validation_split = validation_split
+    self.registered = None
+
+
+_FIT_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FitInputs.
+
+
+def fit_inputs(model) -> Optional[FitInputs]:
+  """The `FitInputs` of the fit `model` is running, else None."""
+  return _FIT_INPUTS.get(model)
+
+
+def _fit_recording(self, args: tuple, kwargs: dict):
+  """Keras' fit of a DP model, keeping its data for the privacy callbacks; when it ends, it closes
+  the optimizer's ledger segment, so that later steps without a privacy callback are not
+  accounted under this fit's sampling (`tfdp_variants.sampling.close_segment`)."""
+  arguments = inspect.signature(_keras_fit).bind(self, *args, **kwargs).arguments
+  _FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
+                                arguments.get("validation_split", 0.0))
+  try:
+    return _keras_fit(self, *args, **kwargs)
+  finally:
+    del _FIT_INPUTS[self]
+    sampling_lib.close_segment(unwrap(self.optimizer), self.trainable_variables)
 
 
 # Saving.

@@ -33,8 +33,10 @@ from tfdp_variants import algorithms
 from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 from tfdp_variants import replicas
+from tfdp_variants import sampling
 from tfdp_variants import validation
 from tfdp_variants.per_example import self_check
+from tfdp_variants.per_example import trace
 
 
 def _options_of(algorithm_cls: type[algorithms.Algorithm]) -> tuple[str, ...]:
@@ -114,6 +116,8 @@ class DPOptimizerMixin:
   Attributes:
     dp_steps: an int64 variable counting privatized steps, incremented in the graph of each step
       (every step of a `steps_per_execution` loop) and saved with the optimizer's state.
+    dp_ledger: the segments of those steps, each with the sampling and events it ran under, saved
+      likewise (`tfdp_variants.sampling.segments`; the privacy callbacks open them).
   """
 
   algorithm_cls: ClassVar[type[algorithms.Algorithm]] = algorithms.DPSGD
@@ -164,6 +168,7 @@ class DPOptimizerMixin:
     self.noise_seed = noise_seed
     self.self_check = self_check
     self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
+    self.dp_ledger: Optional[tf.Variable] = None  # Likewise.
     self.per_example_rules: Optional[tuple[str, ...]] = None
     self._dp_released: dict[int, _Released] = {}  # By thread: a replica's (MirroredStrategy).
     self._dp_mixing_calls = keras_integration.eager_mixing_calls()
@@ -252,6 +257,8 @@ class DPOptimizerMixin:
       self._algorithm_built = True
       self.algorithm.build([per_example.as_tf_variable(v) for v in var_list], self._add_state)
       self.dp_steps = self._add_state("dp_steps", tf.constant(0, tf.int64))
+      self.dp_ledger = self._add_state("dp_ledger",
+                                       tf.zeros([sampling.LEDGER_CAPACITY], tf.int32))
 
   def _privatize(self, grads) -> list[tf.Tensor]:
     """The algorithm's noised step; `dp_steps` counts it in the same graph, once its noise is
@@ -275,8 +282,8 @@ class DPOptimizerMixin:
                         loss_scale: tf.Tensor) -> list[tf.Tensor]:
     """Under a LossScaleOptimizer: the privatized gradient of the unscaled loss, or NaN when a
     scaled gradient overflowed, so that the wrapper skips the step and lowers its scale."""
+    finite = grads.all_finite  # Before the engine zeroed the non-finite rows.
     grads = keras_integration.UnscaledGradients(grads, loss_scale)
-    finite = tf.reduce_all(tf.math.is_finite(grads.global_norms()))
     skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
     return tf.cond(finite, lambda: self._privatize(grads), skipped)
 
@@ -297,8 +304,6 @@ class DPOptimizerMixin:
     if tape is None and tf.executing_eagerly():
       raise ValueError("`tape` is required when a Tensor loss is passed eagerly.")
     model = validation.training_model()
-    if model is not None:
-      validation.check_model(model)
     if tf.executing_eagerly():
       self._refuse_eager_mixing()
       logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
@@ -333,6 +338,7 @@ class DPOptimizerMixin:
                     for p, g in zip(privatized, tf.gradients(total, tf_vars))]
     if wrapper is not None:  # The wrapper divides by its scale.
       privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
+    trace.mark_released(privatized)  # A later step in this graph may read what it updates.
     self._dp_released[threading.get_ident()] = _Released(privatized, var_list, wrapper)
     return list(zip(privatized, var_list))
 
@@ -364,8 +370,9 @@ class DPOptimizerMixin:
   def scale_loss(self, loss):
     """Keras 3 API, called by `train_step` inside its tape: keeps the per-example loss, from
     which `apply` computes this step's private gradients (`keras_integration`)."""
-    keras_integration.remember_loss(self, loss)
-    return super().scale_loss(loss)
+    scaled = super().scale_loss(loss)
+    keras_integration.remember_loss(self, loss, scaled)
+    return scaled
 
   def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
     """Privatized gradients (legacy Keras optimizer API)."""
@@ -376,6 +383,7 @@ class DPOptimizerMixin:
     """The gradients to apply: those this optimizer privatized, passed on unchanged; on Keras 3,
     in place of Keras' own, the private gradients of the loss `scale_loss` kept; else an error."""
     replicas.check_strategy(type(self).__name__)
+    keras_integration.check_step_settings(self)
     grads, variables = list(grads), list(variables)
     wrapper = keras_integration.loss_scale_wrapper(self)
     released = self._dp_released.get(threading.get_ident())
@@ -383,10 +391,10 @@ class DPOptimizerMixin:
            if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
     if not raw:
       return grads
-    loss = keras_integration.remembered_loss(self) if keras_integration.KERAS_3 else None
+    loss = keras_integration.remembered_loss(self, grads) if keras_integration.KERAS_3 else None
     if loss is not None:  # Keras 3's fit: privatize the loss it gave `scale_loss`.
       return [g for g, _ in self._dp_gradients(loss, variables, None)]
-    why = f" ({keras_integration.why_no_loss()})" if keras_integration.KERAS_3 else ""
+    why = f" ({keras_integration.why_no_loss(self)})" if keras_integration.KERAS_3 else ""
     raise RuntimeError(
         f"{type(self).__name__}.apply_gradients was given gradients it did not privatize (for "
         f"{', '.join(raw)}), which would train without privacy{why}. Pass on, unchanged, the "

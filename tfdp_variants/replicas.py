@@ -55,6 +55,21 @@ def check_strategy(who: str) -> None:
       "tf.distribute.MultiWorkerMirroredStrategy (several hosts).")
 
 
+def check_keras_clipping(optimizer, who: str) -> None:
+  """Raises ValueError for Keras' own gradient clipping (`clipnorm`, `clipvalue`,
+  `global_clipnorm`) under several replicas: Keras clips each replica's noisy share before the
+  shares are summed, which bounds no example's influence and is not post-processing of the DP
+  step (SPEC §4). On one replica it clips the noised gradient: post-processing, allowed."""
+  clipping = [name for name in ("clipnorm", "clipvalue", "global_clipnorm")
+              if getattr(optimizer, name, None) is not None]
+  if clipping and count() > 1:
+    raise ValueError(
+        f"{who} was given {', '.join(clipping)}, which Keras applies to each of the {count()} "
+        "replicas' shares of the step before summing them: not covered by the privacy "
+        f"guarantee. Remove {', '.join(clipping)} (the DP optimizer already clips every example "
+        "to l2_norm_clip), or train on one replica.")
+
+
 def noise_share() -> float:
   """1/√R: the std of one replica's share of noise, over the std of the global batch's noise."""
   return 1.0 / math.sqrt(count())

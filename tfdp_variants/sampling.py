@@ -35,10 +35,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Callable, Optional, Protocol, Sequence, Union
 
 import dp_accounting
+import numpy as np
 import tensorflow as tf
 
 from tfdp_variants import accounting
@@ -81,18 +83,26 @@ class Sampling:
     batch_size: the fixed batch size (shuffle), or the expected one q·N (poisson).
     secret: whether batch membership comes from a generator no one can reproduce; a seeded Poisson
       sample is accounted without amplification.
+    repeat_before_batch: shuffle only: one endless stream of passes (`shuffle().repeat().batch()`),
+      whose batches straddle passes (see `certified_event`); set from the pipeline fit gets.
+    drop_remainder: shuffle only: each pass drops its last partial batch (N // B steps a pass).
   """
 
   kind: str
   num_examples: int
   batch_size: float
   secret: bool = True
+  repeat_before_batch: bool = False
+  drop_remainder: bool = False
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"sampling must be one of {KINDS}, got {self.kind!r}: 'poisson' for "
                        "tfdp_variants.data.poisson_dataset, 'shuffle' for fit on arrays or a "
                        "shuffled, batched tf.data.Dataset.")
+    if self.kind == "poisson" and (self.repeat_before_batch or self.drop_remainder):
+      raise ValueError("repeat_before_batch and drop_remainder describe shuffled batches; Poisson "
+                       "batches come from tfdp_variants.data.poisson_dataset.")
     if not (isinstance(self.num_examples, int) and not isinstance(self.num_examples, bool)
             and self.num_examples > 0 and 0 < self.batch_size <= self.num_examples):
       raise ValueError(f"Need 0 < batch_size <= num_examples (an int), got batch_size="
@@ -112,18 +122,28 @@ class Sampling:
 
   @property
   def steps_per_epoch(self) -> int:
-    """Steps in one pass: ceil(N / B) shuffled, round(N / B) expected passes for Poisson."""
+    """Steps in one pass: ceil(N / B) shuffled (N // B dropping remainders), round(N / B)
+    expected passes for Poisson."""
     per_epoch = self.num_examples / self.batch_size
-    return math.ceil(per_epoch) if self.kind == "shuffle" else max(1, round(per_epoch))
+    if self.kind == "poisson":
+      return max(1, round(per_epoch))
+    if self.drop_remainder:
+      return self.num_examples // int(self.batch_size)
+    return math.ceil(per_epoch)
 
-  def epochs(self, steps: int) -> int:
-    """Epochs started by `steps` shuffled steps (each is one mechanism per example)."""
+  def passes(self, steps: int) -> int:
+    """Passes over the data that `steps` shuffled steps, from a pass' start, touch: an example
+    takes part once in each. Batched passes: ceil(steps / steps_per_epoch) (a started pass counts
+    whole); one stream of passes cut into batches: ceil(steps·B / N)."""
+    if self.repeat_before_batch:
+      return math.ceil(steps * self.batch_size / self.num_examples)
     return math.ceil(steps / self.steps_per_epoch)
 
   def describe(self) -> str:
     """E.g. "poisson sampling, add/remove one example" (what the certified ε holds for)."""
     if self.kind == "shuffle":
-      return "shuffled batches, replace one example, no amplification"
+      straddle = ", batches straddle passes" if self.repeat_before_batch else ""
+      return f"shuffled batches, replace one example, no amplification{straddle}"
     if self.secret:
       return "poisson sampling, add/remove one example"
     return "known poisson sample, add/remove one example, no amplification"
@@ -151,21 +171,68 @@ def _times(event: dp_accounting.DpEvent, count: int) -> dp_accounting.DpEvent:
   return dp_accounting.SelfComposedDpEvent(event, count) if count else dp_accounting.NoOpDpEvent()
 
 
-def _certified_unit(optimizer: StepEvents, sampling: Sampling, steps: int,
-                    variables) -> tuple[Optional[dp_accounting.DpEvent], int]:
-  """The certified event that `steps` steps compose, and how many times."""
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Steps that ran under one configuration: what the optimizer's ledger records.
+
+  Attributes:
+    start: the optimizer's `dp_steps` when the segment opened.
+    steps: the privatized steps it holds.
+    sampling: how its batches were drawn; None for steps no privacy callback registered (a custom
+      loop, a fit without one): they have no certified event.
+    unit: the certified event of one step (Poisson) or of one participation of an example
+      (shuffled batches: the replace-one mechanism); None without a proven bound.
+    nominal: the nominal event of one step (for unregistered steps: the nominal mechanism, q = 1).
+  """
+
+  start: int
+  steps: int
+  sampling: Optional[Sampling]
+  unit: Optional[dp_accounting.DpEvent]
+  nominal: dp_accounting.DpEvent
+
+  def certified_event(self) -> Optional[dp_accounting.DpEvent]:
+    """The segment's certified event, or None.
+
+    Poisson: `steps` times the step event. Shuffled batches: each pass over the data is one
+    participation of each example, `sampling.passes(steps)` in all. With `repeat()` before
+    `batch()` a batch that straddles two passes can hold an example twice (B ≤ N, so never three
+    times): then that step's sums change by twice one participation's bound (4C instead of 2C
+    under replace-one), its Gaussian's σ halved (`accounting.scaled_sensitivity`), which costs more
+    than two separate participations (RDP grows with the square of the sensitivity). Of P
+    participations, consecutive passes can pair up at most ⌊P/2⌋ times, so the worst case is
+    ⌊P/2⌋ doubled steps and P mod 2 single ones.
+    """
+    if self.sampling is None or self.unit is None:
+      return None
+    if self.sampling.kind == "poisson":
+      return _times(self.unit, self.steps)
+    passes = self.sampling.passes(self.steps)
+    if not self.sampling.repeat_before_batch:
+      return _times(self.unit, passes)
+    doubled = _times(accounting.scaled_sensitivity(self.unit, 2), passes // 2)
+    return dp_accounting.ComposedDpEvent([doubled, _times(self.unit, passes % 2)])
+
+  def nominal_event(self) -> dp_accounting.DpEvent:
+    return _times(self.nominal, self.steps)
+
+
+def _segment_events(optimizer: StepEvents, sampling: Sampling, variables
+                    ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
+  """(certified unit, nominal step) events of `optimizer` under `sampling` (see `Segment`)."""
+  sizes = _sizes(variables)
   if sampling.kind == "shuffle":
-    return (optimizer.mechanism_event(replace_one=True, **_sizes(variables)),
-            sampling.epochs(steps))
-  q = sampling.sampling_probability if sampling.secret else 1.0
-  return optimizer.step_event(q, sampling.batch_size, **_sizes(variables)), steps
+    unit = optimizer.mechanism_event(replace_one=True, **sizes)
+  else:
+    q = sampling.sampling_probability if sampling.secret else 1.0
+    unit = optimizer.step_event(q, sampling.batch_size, **sizes)
+  nominal = optimizer.nominal_step_event(sampling.sampling_probability, sampling.batch_size,
+                                         **sizes)
+  return unit, nominal
 
 
-def _nominal_unit(optimizer: StepEvents, sampling: Sampling, steps: int,
-                  variables) -> tuple[dp_accounting.DpEvent, int]:
-  """The nominal (Poisson-assumed) step event, `steps` times."""
-  return optimizer.nominal_step_event(sampling.sampling_probability, sampling.batch_size,
-                                      **_sizes(variables)), steps
+def _segment(optimizer: StepEvents, sampling: Sampling, steps: int, variables) -> Segment:
+  return Segment(0, steps, sampling, *_segment_events(optimizer, sampling, variables))
 
 
 def training_events(optimizer: StepEvents, sampling: Sampling, steps: int,
@@ -173,15 +240,15 @@ def training_events(optimizer: StepEvents, sampling: Sampling, steps: int,
                     ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
   """(certified, nominal) events of `steps` steps of `optimizer` under `sampling`.
 
-  Certified: Poisson with secret masks, `steps` subsampled steps; a known Poisson sample, `steps`
-  unamplified steps; shuffling, one replace-one mechanism per started epoch. None when the
-  optimizer's step has no proven bound. Nominal: `steps` Poisson-subsampled steps at q = B/N, the
-  number papers report. `variables`, the trainable variables, let per-layer algorithms and the
-  tanh filter state their events before the optimizer is built.
+  Certified (`Segment.certified_event`): Poisson with secret masks, `steps` subsampled steps; a
+  known Poisson sample, `steps` unamplified steps; shuffling, one replace-one mechanism per pass
+  over the data (twice in one step where batches straddle passes). None when the optimizer's step
+  has no proven bound. Nominal: `steps` Poisson-subsampled steps at q = B/N, the number papers
+  report. `variables`, the trainable variables, let per-layer algorithms and the tanh filter
+  state their events before the optimizer is built.
   """
-  certified, count = _certified_unit(optimizer, sampling, steps, variables)
-  nominal = _times(*_nominal_unit(optimizer, sampling, steps, variables))
-  return (None if certified is None else _times(certified, count)), nominal
+  segment = _segment(optimizer, sampling, steps, variables)
+  return segment.certified_event(), segment.nominal_event()
 
 
 def noise_multiplier_for(target_epsilon: float, sampling: Sampling, steps: int, delta: float,
@@ -193,28 +260,288 @@ def noise_multiplier_for(target_epsilon: float, sampling: Sampling, steps: int, 
   `optimizer_at(σ)` is the optimizer at noise multiplier σ (its events: any extra query, such as
   adaptive clipping's norm query, is paid for). Calibrated by `accounting.noise_multiplier_for`.
   """
-  unit = _nominal_unit if nominal else _certified_unit
 
   def event_at(sigma: float) -> dp_accounting.DpEvent:
-    event, _ = unit(optimizer_at(sigma), sampling, steps, variables)
-    if event is None:
+    certified, nominal_event = training_events(optimizer_at(sigma), sampling, steps, variables)
+    if nominal:
+      return nominal_event
+    if certified is None:
       raise ValueError("This optimizer's step has no certified event to calibrate: calibrate its "
                        "nominal ε (nominal=True), which is no guarantee.")
-    return event
+    return certified
 
-  _, count = unit(optimizer_at(1.0), sampling, steps, variables)
-  return accounting.noise_multiplier_for(target_epsilon, sampling.sampling_probability, count,
+  return accounting.noise_multiplier_for(target_epsilon, sampling.sampling_probability, 1,
                                          delta, method, step_event_for=event_at)
 
 
-def epsilons(optimizer: StepEvents, sampling: Sampling, steps: int, delta: float,
-             method: str = "rdp", variables: Optional[Sequence[tf.Variable]] = None
-             ) -> tuple[Optional[float], float]:
-  """(certified, nominal) ε at `delta` after `steps` steps; certified is None without a proof."""
-  certified, nominal = training_events(optimizer, sampling, steps, variables)
+def _epsilons_of(certified: Optional[dp_accounting.DpEvent], nominal: dp_accounting.DpEvent,
+                 delta: float, method: str) -> tuple[Optional[float], float]:
   nominal_eps = accounting.epsilon_of_event(nominal, delta, method)
   if certified is None:
     return None, nominal_eps
   if certified == nominal:
     return nominal_eps, nominal_eps
   return accounting.epsilon_of_event(certified, delta, method), nominal_eps
+
+
+def epsilons(optimizer: StepEvents, sampling: Sampling, steps: int, delta: float,
+             method: str = "rdp", variables: Optional[Sequence[tf.Variable]] = None
+             ) -> tuple[Optional[float], float]:
+  """(certified, nominal) ε at `delta` after `steps` steps; certified is None without a proof."""
+  return _epsilons_of(*training_events(optimizer, sampling, steps, variables), delta, method)
+
+
+# The ledger: segments of steps, each with its configuration, in the optimizer's saved state.
+#
+# Keras 3 saves only numeric optimizer variables, so the ledger is the UTF-8 bytes of a JSON
+# document, one byte per element of an int32 variable of LEDGER_CAPACITY elements (zero-padded):
+# {"configs": [config, ...], "rows": [[config index, start], ...]}. A config holds the sampling and
+# the unit and nominal events (`Segment`), computed by the optimizer's own `mechanism_event` /
+# `step_event` when the privacy callbacks open the segment; index -1 marks unregistered steps. A
+# row holds the steps from its start to the next row's (the last: to `dp_steps`), counted in the
+# graph that draws the noise. About 40 configurations and 500 rows fit; a ledger that cannot take
+# one more is refused (`open_segment` raises), never truncated.
+
+LEDGER_CAPACITY = 8192
+
+
+def _read_ledger(optimizer) -> dict:
+  codes = np.asarray(optimizer.dp_ledger.numpy())
+  text = bytes(codes[:np.count_nonzero(codes)].astype(np.uint8)).decode("utf-8")  # Zero-padded.
+  return json.loads(text) if text else {"configs": [], "rows": []}
+
+
+def _write_ledger(optimizer, ledger: dict) -> None:
+  data = json.dumps(ledger, separators=(",", ":")).encode("utf-8")
+  if len(data) > LEDGER_CAPACITY:
+    raise ValueError(
+        f"The optimizer's privacy ledger is full: its {len(ledger['rows'])} segments need "
+        f"{len(data)} bytes, more than its {LEDGER_CAPACITY}. Each fit with a privacy callback "
+        "opens one (and each change of configuration): train with fewer, longer fits (more "
+        "epochs per fit), and keep the accounts of finished runs outside the optimizer.")
+  codes = np.zeros(LEDGER_CAPACITY, np.int32)
+  codes[:len(data)] = np.frombuffer(data, np.uint8)
+  optimizer.dp_ledger.assign(codes)
+
+
+def _unregistered_config(optimizer, variables) -> dict:
+  nominal = optimizer.nominal_mechanism_event(**_sizes(variables))
+  return {"sampling": None, "unit": None, "nominal": accounting.event_to_dict(nominal)}
+
+
+def _config(optimizer, sampling: Sampling, variables) -> dict:
+  unit, nominal = _segment_events(optimizer, sampling, variables)
+  return {"sampling": dataclasses.asdict(sampling),
+          "unit": None if unit is None else accounting.event_to_dict(unit),
+          "nominal": accounting.event_to_dict(nominal)}
+
+
+def _dp_steps(optimizer) -> int:
+  return int(optimizer.dp_steps.numpy())
+
+
+def _append(optimizer, ledger: dict, config: dict) -> None:
+  """Opens a row of `config` at dp_steps; a last row that holds no steps is replaced."""
+  rows, steps = ledger["rows"], _dp_steps(optimizer)
+  if rows and rows[-1][1] == steps:
+    rows.pop()
+  if config not in ledger["configs"]:
+    ledger["configs"].append(config)
+  rows.append([ledger["configs"].index(config), steps])
+  _write_ledger(optimizer, ledger)
+
+
+def open_segment(optimizer, sampling: Sampling,
+                 variables: Optional[Sequence[tf.Variable]] = None) -> None:
+  """Records that the optimizer's next steps run under `sampling` with its current settings.
+
+  The privacy callbacks call this once per fit, after the optimizer is built and any restore has
+  run. A Poisson segment continues the previous one when nothing changed (its events simply add
+  up); shuffled batches open a segment per fit, since each fit starts new passes.
+  """
+  ledger = _read_ledger(optimizer)
+  config = _config(optimizer, sampling, variables)
+  rows, steps = ledger["rows"], _dp_steps(optimizer)
+  if rows and rows[-1][1] == steps and len(rows) > 1 and ledger["configs"][rows[-2][0]] == config:
+    rows.pop()  # A closed, empty tail: the segment before continues.
+  last = ledger["configs"][rows[-1][0]] if rows and rows[-1][0] >= 0 else None
+  if last == config and (sampling.kind == "poisson" or rows[-1][1] == steps):
+    _write_ledger(optimizer, ledger)
+    return
+  _append(optimizer, ledger, config)
+
+
+def close_segment(optimizer, variables: Optional[Sequence[tf.Variable]] = None) -> None:
+  """Marks the optimizer's next steps as unregistered (fit calls this when it ends), so that
+  steps run later without a privacy callback are never accounted under this fit's sampling."""
+  if getattr(optimizer, "dp_ledger", None) is None:
+    return
+  ledger = _read_ledger(optimizer)
+  if ledger["rows"] and ledger["rows"][-1][0] >= 0:
+    _append(optimizer, ledger, _unregistered_config(optimizer, variables))
+
+
+def segments(optimizer, variables: Optional[Sequence[tf.Variable]] = None,
+             steps: Optional[int] = None) -> list[Segment]:
+  """The optimizer's ledger as segments, oldest first; with `steps` (a total of privatized
+  steps, at least `dp_steps`), as if the last segment ran until then. Steps before the first
+  segment (an optimizer trained before any callback registered) are unregistered."""
+  if getattr(optimizer, "dp_steps", None) is None:
+    return []
+  ran = _dp_steps(optimizer)
+  total = ran if steps is None else steps
+  if total < ran:
+    raise ValueError(f"steps={total} is fewer than the {ran} the optimizer has run.")
+  ledger = _read_ledger(optimizer)
+  rows = [(index, start) for index, start in ledger["rows"]]
+  if not rows or rows[0][1] > 0:
+    rows.insert(0, (None, 0))
+  ends = [start for _, start in rows[1:]] + [total]
+  out = []
+  for (index, start), end in zip(rows, ends):
+    if end == start:
+      continue
+    config = (_unregistered_config(optimizer, variables) if index is None or index < 0
+              else ledger["configs"][index])
+    out.append(Segment(
+        start, end - start,
+        None if config["sampling"] is None else Sampling(**config["sampling"]),
+        None if config["unit"] is None else accounting.event_from_dict(config["unit"]),
+        accounting.event_from_dict(config["nominal"])))
+  return out
+
+
+def ledger_events(optimizer, variables: Optional[Sequence[tf.Variable]] = None,
+                  steps: Optional[int] = None
+                  ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
+  """(certified, nominal) events of what the optimizer ran (`segments`); certified is None when
+  any segment has no certified event."""
+  parts = segments(optimizer, variables, steps)
+  certified = [p.certified_event() for p in parts]
+  if not parts:
+    return dp_accounting.NoOpDpEvent(), dp_accounting.NoOpDpEvent()
+  whole = lambda events: events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+  return (None if any(e is None for e in certified) else whole(certified),
+          whole([p.nominal_event() for p in parts]))
+
+
+def ledger_epsilons(optimizer, delta: float, method: str = "rdp",
+                    variables: Optional[Sequence[tf.Variable]] = None,
+                    steps: Optional[int] = None) -> tuple[Optional[float], float]:
+  """(certified, nominal) ε at `delta` of what the optimizer ran (`ledger_events`)."""
+  return _epsilons_of(*ledger_events(optimizer, variables, steps), delta, method)
+
+
+# What fit trains on.
+
+# Per-element stages below a batch, and stages of whole batches above it, that neither repeat nor
+# duplicate an example within a pass.
+_ELEMENT_STAGES = frozenset({"MapDataset", "ParallelMapDataset", "PrefetchDataset", "CacheDataset",
+                             "OptionsDataset", "AssertCardinalityDataset"})
+_BELOW_REPEAT = frozenset({"ShuffleDataset", "FilterDataset", "TakeDataset", "SkipDataset"})
+_BATCHES = frozenset({"BatchDataset", "ParallelBatchDataset", "PaddedBatchDataset"})
+_ABOVE_BATCH = frozenset({"RepeatDataset", "TakeDataset", "FilterDataset"})
+_SOURCES = frozenset({"TensorSliceDataset", "RangeDataset"})
+
+
+def _stages(dataset: tf.data.Dataset) -> list[tuple[str, tf.data.Dataset]]:
+  out = []
+  while dataset is not None:
+    out.append((type(dataset).__name__.lstrip("_"), dataset))
+    dataset = getattr(dataset, "_input_dataset", None)
+  return out
+
+
+def _pipeline_error(who: str, stages, why: str) -> ValueError:
+  chain = " <- ".join(name for name, _ in stages)
+  return ValueError(
+      f"{who}: cannot bound how often an example takes part in fit's tf.data pipeline ({chain}): "
+      f"{why}. Build it as Dataset.from_tensor_slices(...).shuffle(N).batch(B) (add .repeat() "
+      "after batch, or an endless .repeat() before it), or train on "
+      "tfdp_variants.data.poisson_dataset(...).")
+
+
+def _of_pipeline(sampling: Sampling, dataset: tf.data.Dataset, who: str) -> Sampling:
+  """The shuffled `sampling` checked against a tf.data pipeline, with its repeat and remainder."""
+  stages = _stages(dataset)
+  batches = [i for i, (name, _) in enumerate(stages) if name in _BATCHES]
+  if len(batches) != 1:
+    raise _pipeline_error(who, stages, f"it batches {len(batches)} times, not once")
+  at = batches[0]
+  above, below = stages[:at], stages[at + 1:]
+  for name, _ in above:
+    if name not in _ELEMENT_STAGES | _ABOVE_BATCH:
+      raise _pipeline_error(who, stages, f"{name} after the batch")
+  repeats = [i for i, (name, _) in enumerate(below) if name == "RepeatDataset"]
+  if len(repeats) > 1:
+    raise _pipeline_error(who, stages, "it repeats twice before the batch")
+  for i, (name, stage) in enumerate(below):
+    allowed = _ELEMENT_STAGES | _SOURCES | {"RepeatDataset"}
+    if repeats and i > repeats[0] or not repeats:
+      allowed |= _BELOW_REPEAT
+    if name not in allowed:
+      raise _pipeline_error(who, stages, f"{name} {'after' if repeats else 'before'} the "
+                            f"{'repeat' if repeats else 'batch'}")
+    repeat_count = tf.get_static_value(getattr(stage, "_count", -1))
+    if name == "RepeatDataset" and repeat_count != -1:
+      raise _pipeline_error(who, stages, "a repeat with a count before the batch (each epoch "
+                            "restarts its passes)")
+  if below[-1][0] not in _SOURCES:
+    raise _pipeline_error(who, stages, f"its source is {below[-1][0]}")
+  batch = stages[at][1]
+  size = tf.get_static_value(batch._batch_size)  # pylint: disable=protected-access
+  drop = bool(tf.get_static_value(getattr(batch, "_drop_remainder", False)))
+  examples = below[repeats[0] + 1][1] if repeats else below[0][1]
+  count = int(examples.cardinality())
+  if count < 0:
+    raise ValueError(f"{who}: the size of fit's dataset is unknown (a filter before the batch?), "
+                     f"so num_examples={sampling.num_examples} cannot be checked: make it known "
+                     "with dataset.apply(tf.data.experimental.assert_cardinality(N)).")
+  if (count, size) != (sampling.num_examples, sampling.batch_size):
+    raise ValueError(f"{who} was told num_examples={sampling.num_examples}, batch_size="
+                     f"{sampling.batch_size:g}, but fit's dataset holds {count} examples in "
+                     f"batches of {size}: pass the dataset's.")
+  return dataclasses.replace(sampling, repeat_before_batch=bool(repeats), drop_remainder=drop)
+
+
+def _same_sampling(a: Sampling, b: Sampling) -> bool:
+  return (a.kind, a.num_examples, a.secret) == (b.kind, b.num_examples, b.secret) and math.isclose(
+      a.batch_size, b.batch_size, rel_tol=1e-9)
+
+
+def of_fit(sampling: Sampling, x, batch_size: Optional[int], validation_split: float,
+           who: str) -> Sampling:
+  """`sampling` checked against what fit trains on (`x`, its `batch_size`), with what the
+  pipeline adds (repeat before batch, dropped remainders). Raises ValueError, naming the fix, on a
+  mismatch: Poisson only from `tfdp_variants.data.poisson_dataset` (whose dataset carries its
+  `sampling`), arrays mean shuffled batches of fit's batch_size over len(x) examples, a tf.data
+  pipeline is walked (`_of_pipeline`). Other inputs (generators, a distributed dataset) cannot be
+  looked into and are taken at the callbacks' word.
+  """
+  if isinstance(x, tf.data.Dataset):
+    declared = getattr(x, "sampling", None)
+    if declared is None and sampling.kind == "shuffle":
+      return _of_pipeline(sampling, x, who)
+    if declared is None or not _same_sampling(declared, sampling):
+      got = f"a dataset of {declared}" if declared else "a tf.data.Dataset without Poisson sampling"
+      raise ValueError(
+          f"{who} was told {sampling}, but fit trains on {got}. "
+          "Poisson sampling is certified only for tfdp_variants.data.poisson_dataset(...): pass "
+          "sampling=dataset.sampling; account any other dataset as sampling=\"shuffle\".")
+    return sampling
+  leaves = tf.nest.flatten(x)
+  if not leaves or not all(getattr(leaf, "shape", None) for leaf in leaves):
+    return sampling
+  if validation_split:
+    raise ValueError(f"{who}: fit's validation_split trains on part of the arrays only; split "
+                     "them yourself and pass validation_data, so that num_examples is checked.")
+  count, size = int(leaves[0].shape[0]), batch_size or 32  # Keras' default batch size.
+  if sampling.kind != "shuffle":
+    raise ValueError(f"{who} was told {sampling.kind} sampling, but fit on arrays draws shuffled "
+                     "fixed-size batches: pass sampling=\"shuffle\", or train on "
+                     "tfdp_variants.data.poisson_dataset(...) with sampling=dataset.sampling.")
+  if (count, size) != (sampling.num_examples, sampling.batch_size):
+    raise ValueError(f"{who} was told num_examples={sampling.num_examples}, batch_size="
+                     f"{sampling.batch_size:g}, but fit trains on {count} examples in batches of "
+                     f"{size}: pass fit's.")
+  return sampling

@@ -289,7 +289,7 @@ def main(argv):
     train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
         n, seed=_SEED.value).batch(batch, drop_remainder=drop)
   try:
-    history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=fit_steps,
+    history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=fit_steps, shuffle=False,
                         verbose=1 if sys.stdout.isatty() else 2,
                         callbacks=[logger, tf.keras.callbacks.TensorBoard(write_dir)])
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)

@@ -24,7 +24,6 @@ from tfdp_variants import noise
 from tfdp_variants import per_example
 from tfdp_variants import replicas
 from tfdp_variants import transforms
-from tfdp_variants import validation
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -58,6 +57,43 @@ def private_mean_norms(norms: Sequence[tf.Tensor], bounds: tf.Tensor, alpha: flo
   noised = replicas.sum_across([noised])[0]  # The global batch's, the same on every replica.
   mean = alpha * noised / tf.cast(denominator, bounds.dtype)
   return tf.maximum(mean, MIN_L2_NORM_CLIP)
+
+
+class LayerPositions:
+  """Where each variable's entry is in a per-layer state built for `variables` (one entry each).
+
+  A step may train a subset of them, in any order: layers frozen after the first step
+  (`layer.trainable = False`) keep their entries, untouched, and the step reads and updates the
+  entries of the variables it trains. Its privacy event keeps the K of the build: with K' ≤ K
+  layers, each noised in proportion to its bound, the step is a Gaussian of σ/√K' ≥ σ/√K, so
+  accounting it as σ/√K overstates its cost (`noise.GaussianSumQuery.event`).
+  """
+
+  def __init__(self, variables: Sequence[tf.Variable], who: str):
+    self._positions = {per_example.as_tf_variable(v).ref(): i for i, v in enumerate(variables)}
+    self._who = who
+
+  def __call__(self, variables: Sequence[tf.Variable]) -> list[int]:
+    """The entries of `variables`; a ValueError for one the state was not built for."""
+    positions = [self._positions.get(per_example.as_tf_variable(v).ref()) for v in variables]
+    unknown = [v.name for v, i in zip(variables, positions) if i is None]
+    if unknown:
+      raise ValueError(
+          f"{self._who} keeps a bound per trainable variable, made at its first step, and "
+          f"{', '.join(unknown)} was not trainable then (a layer made trainable later). Give "
+          "the model a new optimizer after changing which layers are trainable "
+          "(model.compile(optimizer=...)).")
+    return positions
+
+
+def gathered(state: tf.Tensor, positions: Sequence[int]) -> tf.Tensor:
+  """The entries of a per-layer `state` at `positions` (`LayerPositions`)."""
+  return tf.gather(state, positions)
+
+
+def scattered(state: tf.Tensor, positions: Sequence[int], values: tf.Tensor) -> tf.Tensor:
+  """`state` with the entries at `positions` replaced by `values`; the others unchanged."""
+  return tf.tensor_scatter_nd_update(state, [[i] for i in positions], values)
 
 
 @base.register
@@ -111,6 +147,7 @@ class AdaptiveClip(base.Algorithm):
     self.norm_query = noise.GaussianSumQuery(self.noise, self.norm_noise_multiplier,
                                              sensitivity=1.0, replace_sensitivity=1.0)
     self.l2_norm_clips: Optional[tf.Variable] = None  # (K,) C_{t−1}^l, made by `build`.
+    self.positions: Optional[LayerPositions] = None  # Its entries by variable, made by `build`.
 
   def get_config(self) -> dict:
     return dict(alpha=self.alpha, beta=self.beta, norm_noise_multiplier=self.norm_noise_multiplier,
@@ -123,15 +160,18 @@ class AdaptiveClip(base.Algorithm):
                        f"{len(variables)} trainable variables; give one per variable (weights and "
                        "biases separately), in model.trainable_variables order.")
     self.l2_norm_clips = add_state("l2_norm_clips", tf.constant(initial, tf.float32))
+    self.positions = LayerPositions(variables, "AdaptiveClip")
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
-    bounds = tf.convert_to_tensor(self.l2_norm_clips)  # C_{t−1}, read before the update below.
+    every = tf.convert_to_tensor(self.l2_norm_clips)  # C_{t−1}, read before the update below.
+    positions = self.positions(grads.variables)  # The trained ones (`LayerPositions`).
+    bounds = gathered(every, positions)
     per_layer = tf.unstack(bounds)
     summed = transforms.per_layer_clipped_sum(grads, per_layer)
     noised = self.gradient_query(summed, per_layer)
-    norms = [tf.sqrt(s) for s in grads.squared_norms()]
-    self.l2_norm_clips.assign(private_mean_norms(norms, bounds, self.alpha, self.beta,
-                                                 self.norm_query, self.denominator(grads)))
+    norms = [tf.cast(tf.sqrt(s), bounds.dtype) for s in grads.squared_norms()]
+    self.l2_norm_clips.assign(scattered(every, positions, private_mean_norms(
+        norms, bounds, self.alpha, self.beta, self.norm_query, self.denominator(grads))))
     return self.mean(noised, grads)
 
   def _certified_event(self, replace_one: bool, num_layers: Optional[int],
@@ -170,7 +210,6 @@ def initial_l2_norm_clips_from_noise(
     One bound per trainable variable, in `model.trainable_variables` order: pass it as
     `initial_l2_norm_clips`.
   """
-  validation.check_model(model)
   rng = np.random.default_rng(seed)
   if inputs is None:
     inputs = rng.random((batch_size, *model.input_shape[1:]), dtype=np.float32)

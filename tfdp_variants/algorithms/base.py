@@ -116,14 +116,16 @@ class Algorithm:
     built = getattr(self, name)
     if given is not None and not (isinstance(given, int) and given >= 1):
       raise ValueError(f"{name} must be a positive int, got {given!r}.")
-    if given is not None and built is not None and given != built:
-      raise ValueError(f"{name}={given} disagrees with the {built} of the built optimizer; leave "
-                       f"{name} None after building.")
+    if given is not None and built is not None and given > built:
+      raise ValueError(f"{name}={given} disagrees with the {built} of the built optimizer (more "
+                       f"than it was built for); leave {name} None after building.")
     if given is None and built is None:
       raise ValueError(f"This step's privacy depends on {name}, unknown before the optimizer is "
                        f"built: pass {name}={how}, or ask after optimizer.build("
                        "model.trainable_variables) (or the first step).")
-    return given if given is not None else built
+    # Built: the built count, also for fewer trainable variables now (layers frozen since), whose
+    # steps it bounds conservatively (`adaptive_clip.LayerPositions`).
+    return built if built is not None else given
 
   def _certified_event(self, replace_one: bool, num_layers: Optional[int],
                        num_parameters: Optional[int]) -> Optional[dp_accounting.DpEvent]:

@@ -27,6 +27,7 @@ from tfdp_variants import accounting
 from tfdp_variants import noise
 from tfdp_variants import replicas
 from tfdp_variants import transforms
+from tfdp_variants.algorithms import adaptive_clip
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -94,6 +95,7 @@ class QuantileClip(base.Algorithm):
     self.geometric_update = bool(geometric_update)
     self.privacy_guarantee = "certified" if method == "geometric" else "heuristic"
     self.clip: Optional[tf.Variable] = None  # Geometric: C_t, one per layer if per_layer.
+    self.positions: Optional[adaptive_clip.LayerPositions] = None  # Per layer: entries by variable.
     # The count's records 1[‖g_i‖ ≤ C_t] − ½ are ±½ (TF Privacy shifts them so): one added or
     # removed moves the count by ½, one replaced (−½ ↔ ½) by 1 (QuantileEstimatorQuery).
     self.count_query = noise.GaussianSumQuery(self.noise, self.clipped_count_stddev or 0.0,
@@ -111,6 +113,7 @@ class QuantileClip(base.Algorithm):
     if self.method == "geometric":
       shape = [len(variables)] if self.per_layer else []
       self.clip = add_state("quantile_clip", tf.fill(shape, self.l2_norm_clip))
+      self.positions = adaptive_clip.LayerPositions(variables, "QuantileClip(per_layer=True)")
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     norms = self._norms(grads)
@@ -144,10 +147,14 @@ class QuantileClip(base.Algorithm):
     step. Under a strategy the noised count is summed over the replicas first, so every replica
     stores the same clip.
     """
-    clips = tf.unstack(self.clip.read_value()) if self.per_layer else [self.clip.read_value()]
+    every = self.clip.read_value()
+    positions = self.positions(grads.variables) if self.per_layer else None  # The trained ones.
+    clips = (tf.unstack(adaptive_clip.gathered(every, positions)) if self.per_layer
+             else [every])
     noised = self.gradient_query(self._clipped_sum(grads, clips), clips if self.per_layer
                                  else clips[0])
-    counts = [tf.reduce_sum(tf.cast(n <= c, tf.float32) - 0.5) for n, c in zip(norms, clips)]
+    counts = [tf.reduce_sum(tf.cast(n <= tf.cast(c, n.dtype), tf.float32) - 0.5)
+              for n, c in zip(norms, clips)]
     noised_counts = replicas.sum_across(self.count_query(counts, 1.0))  # Of the global batch.
     records = (tf.constant(float(self.expected_num_records)) if self.expected_num_records
                else self.denominator(grads))
@@ -157,7 +164,8 @@ class QuantileClip(base.Algorithm):
       step = self.clip_learning_rate * (below - self.quantile)
       new = clip * tf.exp(-step) if self.geometric_update else clip - step
       new_clips.append(tf.maximum(new, 0.0))
-    update = self.clip.assign(tf.stack(new_clips) if self.per_layer else new_clips[0])
+    update = self.clip.assign(adaptive_clip.scattered(every, positions, tf.stack(new_clips))
+                              if self.per_layer else new_clips[0])
     with tf.control_dependencies([update]):
       return [tf.identity(t) for t in noised]
 
