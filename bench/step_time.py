@@ -5,15 +5,22 @@ Models (synthetic data, no downloads; Adam as the base optimizer, one example pe
 * `cnn`: the CNN of Lin et al. 2020 (conv 32 5×5 same, max-pool 2, conv 64 5×5 same, max-pool 2,
   dense 1024, dense 10; 3.27M parameters) on MNIST-shaped inputs, batch 128;
 * `mlp`: Dense only (784 → 512 → 512 → 10), batch 256;
-* `text`: Embedding(10000, 64) over 64 token ids → GlobalAveragePooling1D → Dense(2), batch 256.
+* `text`: Embedding(10000, 64) over 64 token ids → GlobalAveragePooling1D → Dense(2), batch 256;
+* `transformer`: Embedding(8000, 128) over 64 token ids, 2 encoder blocks (MultiHeadAttention with
+  4 heads of key_dim 32, residual, LayerNormalization, FFN 256 → 128, residual,
+  LayerNormalization), mean pool, Dense(2), batch 64 (issue 16);
+* `groupnorm_cnn`: 32×32×3 inputs, Conv 32 → GroupNorm → Conv 64 stride 2 → GroupNorm → Conv 128
+  stride 2 → GroupNorm (3×3 convs, 8 groups, ReLU after each norm) → global average pooling →
+  Dense(10), batch 64 (issue 16).
 
 Each (model, row) pair is timed in its own process (`--row` and `--model` select one; it prints one
 JSON line), so a row's graphs, caches and memory never slow the next one. This process launches
 them with the same interpreter and prints one markdown table per model: the steady-state median
 ms/step, its ratio to the non-private step and to TF Privacy's fastest row of the same model, the
 first step's time (tracing, and the engine's self-check, which runs on the first step after each
-trace), and the stack. TF Privacy's rows (its DPKerasAdamOptimizer, the vectorized one, and
-DPSequential with the fast gradient clipping layer registry, its best path) run only where
+trace), the stack, and in the note the per-example rules the variables took (a count per rule).
+TF Privacy's rows (its DPKerasAdamOptimizer, the vectorized one, and DPSequential with the fast
+gradient clipping layer registry, its best path) run only where
 tensorflow_privacy is installed (the TF 2.15 leg). The CNN's rows show the targets of issues 2, 3
 and 7.
 
@@ -70,6 +77,34 @@ def _text_layers() -> list:
           L.Dense(2)]
 
 
+class _EncoderBlock(L.Layer):
+  """A post-norm Transformer encoder block, so that the bench's models stay `Sequential`."""
+
+  def __init__(self, d_model: int, heads: int, key_dim: int, ffn: int, **kwargs):
+    super().__init__(**kwargs)
+    self.attention = L.MultiHeadAttention(heads, key_dim)
+    self.norm1, self.norm2 = L.LayerNormalization(), L.LayerNormalization()
+    self.ffn1, self.ffn2 = L.Dense(ffn, activation="relu"), L.Dense(d_model)
+
+  def call(self, x):
+    h = self.norm1(x + self.attention(x, x))
+    return self.norm2(h + self.ffn2(self.ffn1(h)))
+
+
+def _transformer_layers() -> list:
+  return [L.Input((64,), dtype="int32"), L.Embedding(8000, 128),
+          *[_EncoderBlock(128, 4, 32, 256) for _ in range(2)],
+          L.GlobalAveragePooling1D(), L.Dense(2)]
+
+
+def _groupnorm_cnn_layers() -> list:
+  layers = [L.Input((32, 32, 3))]
+  for filters, stride in ((32, 1), (64, 2), (128, 2)):
+    layers += [L.Conv2D(filters, 3, strides=stride, padding="same"), L.GroupNormalization(8),
+               L.Activation("relu")]
+  return layers + [L.GlobalAveragePooling2D(), L.Dense(10)]
+
+
 WORKLOADS = {
     "cnn": Workload("paper CNN", _cnn_layers,
                     lambda rng, b: (rng.random((b, 28, 28, 1), np.float32), rng.integers(0, 10, b)),
@@ -79,6 +114,12 @@ WORKLOADS = {
     "text": Workload("Embedding text model", _text_layers,
                      lambda rng, b: (rng.integers(0, 10000, (b, 64), np.int32),
                                      rng.integers(0, 2, b)), 256),
+    "transformer": Workload("small Transformer encoder", _transformer_layers,
+                            lambda rng, b: (rng.integers(0, 8000, (b, 64), np.int32),
+                                            rng.integers(0, 2, b)), 64),
+    "groupnorm_cnn": Workload("GroupNorm convnet", _groupnorm_cnn_layers,
+                              lambda rng, b: (rng.random((b, 32, 32, 3), np.float32),
+                                              rng.integers(0, 10, b)), 64),
 }
 
 _MODELS = flags.DEFINE_list("models", list(WORKLOADS), "Models to time: " + ", ".join(WORKLOADS))
@@ -197,8 +238,12 @@ def batch_sizes(values: list[str]) -> dict[str, int]:
   return sizes
 
 
-def _fast_clipping_note(model: tf.keras.Model) -> str:
-  """For TF Privacy's DP models: which gradient clipping path this model takes."""
+def _path_note(model: tf.keras.Model) -> str:
+  """The per-example rules the engine took (how many variables took each), or for TF Privacy's DP
+  models which gradient clipping path this model takes."""
+  rules = getattr(model.optimizer, "per_example_rules", None)
+  if rules:
+    return ", ".join(f"{rules.count(r)} {r}" for r in sorted(set(rules)))
   fast = getattr(model, "_enable_fast_peg_computation", None)  # Set by DPModel's constructor.
   if fast is None:
     return ""
@@ -223,7 +268,7 @@ def time_row(row: Row, workload: Workload, b: int, steps: int, warmup: int) -> d
     times.append(time.perf_counter() - start)
   return dict(ms=1e3 * float(np.median(times)), first_ms=1e3 * first, params=model.count_params(),
               peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              note=_fast_clipping_note(model))
+              note=_path_note(model))
 
 
 def run_one_row() -> None:

@@ -14,11 +14,14 @@ import tensorflow as tf
 
 import engine_helpers
 import tfdp_variants
+from tfdp_variants.keras_integration import KERAS_3
 
 L = tf.keras.layers
 B = 4
 # Rules of a Dense layer: its kernel (a MatMul) and its bias (a BiasAdd).
 DENSE = ["outer", "rowsum"]
+# Rules of a normalization layer's scale and offset.
+NORM = ["rowsum", "rowsum"]
 
 
 
@@ -59,6 +62,44 @@ def _transformer_block():
   return tf.keras.Model(x, L.Dense(2)(L.GlobalAveragePooling1D()(h)))
 
 
+def _attention(heads, mask=None):
+  """MultiHeadAttention(heads, key_dim 2) over (B, 3, 4) with biases, pooled, then a Dense head.
+
+  mask: "causal" (`use_causal_mask`), "data" (an attention mask computed from each example), or
+  None. The key projection's bias has a zero gradient (see `_transformer_block`).
+  """
+  x = L.Input((3, 4))
+  attention = L.MultiHeadAttention(heads, 2)
+  if mask == "causal":
+    h = attention(x, x, use_causal_mask=True)
+  elif mask == "data":
+    keep = L.Lambda(lambda t: tf.tile(tf.expand_dims(t[:, :, 0] > -0.5, 1), [1, 3, 1]))(x)
+    h = attention(x, x, attention_mask=keep)
+  else:
+    h = attention(x, x)
+  return tf.keras.Model(x, L.Dense(2)(L.GlobalAveragePooling1D()(h)))
+
+
+def _padding_mask_attention():
+  """Ids with zeros (padding) → Embedding(mask_zero) → MultiHeadAttention, masked by Keras."""
+  ids = L.Input((5,), dtype="int32")
+  h = L.Embedding(11, 4, mask_zero=True)(ids)
+  h = L.MultiHeadAttention(2, 2)(h, h)
+  return tf.keras.Model(ids, L.Dense(2)(L.Flatten()(h)))
+
+
+class _Broadcast(L.Layer):
+  """(x - a) · s with a: (4,) and s: (5, 1) broadcast against x: (B, 5, 4) (a subtracted: the
+  derivative's sign flips)."""
+
+  def build(self, input_shape):
+    self.a = self.add_weight(name="a", shape=(4,), initializer="random_normal")
+    self.s = self.add_weight(name="s", shape=(5, 1), initializer="random_normal")
+
+  def call(self, x):
+    return (x - self.a) * self.s
+
+
 class _Residual(tf.keras.Model):
   """A subclassed model: Conv1D, a residual Dense block and a head."""
 
@@ -89,18 +130,57 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
     "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),
                        _floats(B, 5, 4), DENSE * 2),
-    # Attention's projections (EinsumDense) and LayerNormalization's scales take the fallback.
     "transformer_block": (_transformer_block, _floats(B, 3, 4),
-                          [None] * 8 + ["fallback"] * 2 + DENSE * 2 + ["fallback"] * 2 + DENSE),
+                          DENSE * 4 + NORM + DENSE * 2 + NORM + DENSE),
     "conv1d": (lambda: _seq((8, 3), L.Conv1D(4, 3, padding="same"), L.Flatten(), L.Dense(2)),
                _floats(B, 8, 3), DENSE * 2),
     "depthwise_conv2d": (lambda: _seq((6, 6, 2), L.DepthwiseConv2D(3, depth_multiplier=2),
                                       L.Flatten(), L.Dense(2)),
                          _floats(B, 6, 6, 2), ["fallback", "rowsum", *DENSE]),
     "subclassed": (_Residual, _floats(B, 5, 2), DENSE * 3),
+    # Scales and offsets broadcast against the activations: the "broadcast" rule's row sums.
+    "layer_norm": (lambda: _seq((5, 4), L.LayerNormalization(), L.Flatten(), L.Dense(2)),
+                   _floats(B, 5, 4), NORM + DENSE),
+    "layer_norm_axes": (lambda: _seq((3, 2, 4), L.LayerNormalization(axis=[1, 3]), L.Flatten(),
+                                     L.Dense(2)), _floats(B, 3, 2, 4), NORM + DENSE),
+    "broadcast_weights": (lambda: _seq((5, 4), _Broadcast(), L.Flatten(), L.Dense(2)),
+                          _floats(B, 5, 4), NORM + DENSE),
+    "group_norm": (lambda: _seq((4, 4, 6), L.Conv2D(6, 1), L.GroupNormalization(3), L.Flatten(),
+                                L.Dense(2)), _floats(B, 4, 4, 6), DENSE + NORM + DENSE),
+    # PReLU reads -alpha (a Neg between the read and the product): no rule yet.
+    "prelu": (lambda: _seq((5, 4), L.PReLU(), L.Flatten(), L.Dense(2)), _floats(B, 5, 4),
+              ["fallback", *DENSE]),
+    # EinsumDense with outputs of rank 1-3 (Keras 3: MatMul or BatchMatMulV2; Keras 2: Einsum).
+    "einsum_dense_1d": (lambda: _seq((4,), L.EinsumDense("ab,bc->ac", 3, bias_axes="c"),
+                                     L.Dense(2)), _floats(B, 4), DENSE * 2),
+    "einsum_dense_2d": (lambda: _seq((5, 4), L.EinsumDense("abc,cd->abd", (5, 3), bias_axes="d"),
+                                     L.Flatten(), L.Dense(2)), _floats(B, 5, 4), DENSE * 2),
+    "einsum_dense_3d": (lambda: _seq((5, 4), L.EinsumDense("abc,cde->abde", (5, 2, 3),
+                                                           bias_axes="de"),
+                                     L.Flatten(), L.Dense(2)), _floats(B, 5, 4), DENSE * 2),
+    "einsum_dense_contract_2": (lambda: _seq((5, 2, 3), L.EinsumDense("abcd,cde->abe", (5, 4),
+                                                                      bias_axes="e"),
+                                             L.Flatten(), L.Dense(2)),
+                                _floats(B, 5, 2, 3), DENSE * 2),
+    # The kernel takes its rule; the batch-axis analysis does not follow an ellipsis Einsum's
+    # output yet, so the head after it takes the fallback.
+    "einsum_dense_ellipsis": (lambda: _seq((5, 4), L.EinsumDense("...b,bc->...c", 3),
+                                           L.Flatten(), L.Dense(2)),
+                              _floats(B, 5, 4), ["outer", "fallback", "fallback"]),
+    "attention_1_head": (lambda: _attention(1), _floats(B, 3, 4), DENSE * 5),
+    "attention_4_heads": (lambda: _attention(4), _floats(B, 3, 4), DENSE * 5),
+    "attention_causal": (lambda: _attention(4, "causal"), _floats(B, 3, 4), DENSE * 5),
+    "attention_data_mask": (lambda: _attention(2, "data"), _floats(B, 3, 4), DENSE * 5),
+    # Keras 2 builds the mask with `mask[:, :, None]` (a StridedSlice with new_axis_mask), which
+    # the batch-axis analysis does not follow yet: there the layers after the softmax fall back.
+    "attention_padding_mask": (_padding_mask_attention, _ints(B, 5, high=4),
+                               ["gather", *DENSE * 5] if KERAS_3 else None),
 }
+if hasattr(L, "RMSNormalization"):  # Keras 3 only.
+  ZOO["rms_norm"] = (lambda: _seq((5, 4), L.RMSNormalization(), L.Flatten(), L.Dense(2)),
+                     _floats(B, 5, 4), ["rowsum", *DENSE])
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
-       "subclassed"]
+       "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads"]
 
 
 def _build(name):

@@ -88,7 +88,7 @@ ZOO = {
                   ["gather", "outer", "rowsum"]),
     "tied_embedding": (_TiedEmbedding, _ints(B, 5), None),
     "layer_norm": (lambda: _seq((5,), L.Dense(4), L.LayerNormalization(), L.Dense(2)),
-                   _floats(B, 5), ["outer", "rowsum", "fallback", "fallback", "outer", "rowsum"]),
+                   _floats(B, 5), ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum"]),
     "lstm_unrolled": (lambda: _seq((4, 3), L.LSTM(5, unroll=True), L.Dense(2)), _floats(B, 4, 3),
                       None),
     "gru_unrolled": (lambda: _seq((4, 3), L.GRU(5, unroll=True), L.Dense(2)), _floats(B, 4, 3),

@@ -149,7 +149,7 @@ RULES = {
     "table_rank3": ["gather", "outer", "rowsum"],
     "time_major_mlp": ["fallback"] * 4,  # Dense on (T, B, ·): rows are time-major.
     "time_major_stack_back": ["outer", "rowsum"] * 3,
-    "layer_norm_3d": ["outer", "rowsum", "fallback", "fallback", "outer", "rowsum", "outer",
+    "layer_norm_3d": ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum", "outer",
                       "rowsum"],
 }
 

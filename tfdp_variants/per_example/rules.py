@@ -220,7 +220,8 @@ def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   """BiasAdd: g = Σ_t dz_t."""
   if op.get_attr("data_format") == b"NCHW":
     grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
-  return F.RowSum(_rows(grad, m, var.shape[0], var.dtype), tuple(var.shape))
+  # The bias may be a squeezed read (a one-head attention's (1, D) bias): its width is its size.
+  return F.RowSum(_rows(grad, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
 
 
 def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -257,6 +258,114 @@ def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Vari
                   tuple(var.shape))
 
 
+# ---------------------------------------------------------------------------------------------
+# Broadcast elementwise products and sums (normalization scales and offsets, attention biases).
+
+_SIGNED_OPS = ("Mul", "AddV2", "Add", "Sub")
+
+
+def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.Tensor, int]]:
+  """For `x ∘ w` (∘ in `_SIGNED_OPS`), w = `var_input` broadcast against an example-major x of
+  the output's rank, w constant along axis 0: (x, the sign of z's derivative in w), else None."""
+  if op.type not in _SIGNED_OPS or len(op.inputs) != 2:
+    return None
+  k = [i for i, t in enumerate(op.inputs) if _same(t, var_input)]
+  if len(k) != 1:
+    return None
+  x, w, z = op.inputs[1 - k[0]], op.inputs[k[0]], op.outputs[0]
+  rank = z.shape.rank
+  if (rank is None or x.shape.rank != rank or w.shape.rank is None or w.shape.rank > rank
+      or not w.shape.is_fully_defined() or trace.batch_axis(x) != 0):
+    return None
+  if w.shape.rank == rank and w.shape[0] != 1:  # w would vary along the examples.
+    return None
+  return x, -1 if op.type == "Sub" and k[0] == 1 else 1
+
+
+def _match_broadcast(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  return None if _broadcast_use(op, var_input) is None else "broadcast"
+
+
+def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+                      var: tf.Variable) -> F.Factor:
+  """z = x·w or x ± w, w broadcast: g = Σ over the axes along which w is broadcast of dz·x (Mul)
+  or ±dz (sums), summed over the example's rows like a bias."""
+  k = next(i for i, t in enumerate(op.inputs) if _broadcast_use(op, t) is not None)
+  x, sign = _broadcast_use(op, op.inputs[k])
+  w = op.inputs[k]
+  rank = op.outputs[0].shape.rank
+  dims = [1] * (rank - w.shape.rank) + w.shape.as_list()
+  d = tf.cast(grad, var.dtype)
+  if op.type == "Mul":
+    d = d * tf.cast(x, var.dtype)
+  elif sign < 0:
+    d = -d
+  reduced = [i for i in range(1, rank) if dims[i] == 1]
+  if reduced:
+    d = tf.reduce_sum(d, axis=reduced)
+  return F.RowSum(_rows(d, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# EinsumDense: Einsum, or BatchMatMul of a 2-D kernel.
+
+
+def _einsum_split(op: tf.Operation, var_input: tf.Tensor) -> Optional[int]:
+  """For an Einsum x·w contracting x's last axes with w's first ones (x = P+C, w = C+Q,
+  out = P+Q, P possibly an ellipsis, no label repeated) whose x holds the examples on axis 0, in P:
+  the number of contracted axes |C|, else None."""
+  if (op.type != "Einsum" or len(op.inputs) != 2 or not _same(op.inputs[1], var_input)
+      or _same(op.inputs[0], var_input)):
+    return None
+  lhs, _, out = op.get_attr("equation").decode().replace(" ", "").partition("->")
+  x_spec, _, w_spec = lhs.partition(",")
+  rank, w_rank = op.inputs[0].shape.rank, var_input.shape.rank
+  if rank is None or w_rank != len(w_spec) or not var_input.shape.is_fully_defined():
+    return None
+  if x_spec.startswith("...") and out.startswith("..."):
+    x_spec, out, prefix = x_spec[3:], out[3:], ""
+  else:
+    prefix = x_spec[:len(x_spec) - sum(a in w_spec for a in x_spec)]
+    x_spec, out = x_spec[len(prefix):], out[len(prefix):] if out.startswith(prefix) else None
+  c = len(x_spec)
+  labels = prefix + w_spec
+  if (out is None or w_spec != x_spec + out or "." in labels or len(set(labels)) != len(labels)
+      or rank - c < 1 or trace.batch_axis(op.inputs[0]) != 0):
+    return None
+  return c
+
+
+def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  return None if _einsum_split(op, var_input) is None else "einsum"
+
+
+def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  """BatchMatMul of an example-major x (…, T, K) and a 2-D kernel (Keras 3's EinsumDense)."""
+  if (op.type not in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+      or not _same(op.inputs[1], var_input) or _same(op.inputs[0], var_input)
+      or op.get_attr("adj_x") or var_input.shape.rank != 2
+      or op.inputs[0].shape.rank is None or op.inputs[0].shape.rank < 2
+      or trace.batch_axis(op.inputs[0]) != 0):
+    return None
+  return "batch_matmul"
+
+
+def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+                        var: tf.Variable) -> F.Factor:
+  """z = x·w over x's last axes C and w's first (EinsumDense): g = Σ_t x_tᵀ dz_t over the rows t
+  of the example's other axes, x_t flattened over C, dz_t over w's free axes."""
+  w = op.inputs[1]
+  transposed = op.type != "Einsum" and op.get_attr("adj_y")
+  c = _einsum_split(op, w) if op.type == "Einsum" else 1
+  sizes = w.shape.as_list()
+  fan_in, fan_out = math.prod(sizes[:c]), math.prod(sizes[c:])
+  if transposed:
+    fan_in, fan_out = fan_out, fan_in
+  a = _rows(op.inputs[0], m, fan_in, var.dtype)
+  d = _rows(grad, m, fan_out, var.dtype)
+  return F.Outer(d, a, tuple(var.shape)) if transposed else F.Outer(a, d, tuple(var.shape))
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """How a use matches (`match(op, var_input)`: the kind, or None) and the factor it gives."""
@@ -274,6 +383,9 @@ RULES: dict[str, Rule] = {
     "bias_add": Rule(_match_bias_add, _bias_add_factor),
     "gather": Rule(_match_gather, _gather_factor),
     "gather_v2": Rule(_match_gather_v2, _gather_factor),
+    "broadcast": Rule(_match_broadcast, _broadcast_factor),
+    "einsum": Rule(_match_einsum, _contraction_factor),
+    "batch_matmul": Rule(_match_batch_matmul, _contraction_factor),
 }
 
 
