@@ -99,3 +99,17 @@ def test_vanderveen2018_three_tools(tmp_path):
     assert abs(check["epsilon_nominal"] - results["epsilon"]) < 0.05  # The paper's accounting.
     assert check["epsilon_nominal"] < check["epsilon"]
   assert "== Summary ==" in stdout
+
+
+def test_audit_your_training(tmp_path):
+  _, results = _smoke("audit_your_training.py", tmp_path)
+  _assert_plots(tmp_path, "audit.png")
+  audits = results["audits"]
+  assert results["settings"]["trials"] == 100 and len(audits) == 11
+  for name, row in audits.items():
+    assert row["nominal_mu"] == 0.5, name
+    # Published without a guarantee, the tanh filter still has a (loose) certified event.
+    has_event = row["guarantee"] == "certified" or name == "tanh (Amian)"
+    assert (row["verdict"] != "uncertified") == has_event, name
+  # Noise added before the clip bounds nothing: μ̂ ≈ 3 against the paper's 0.5 even at 100 trials.
+  assert audits["NG AC (Lin)"]["exceeds_nominal"]

@@ -1,0 +1,275 @@
+"""tfdp_variants.audit: the statistics against hand computations and scipy/dp_accounting, and the
+canary audit of DP-SGD (measured μ̂ ≈ Δ/(σC)) and of deliberately broken optimizers (caught).
+
+The DP noise is secret (OS entropy), so the experiment tests use margins of ≥ 4 standard errors and
+alpha = 1e-3 (a correct optimizer is called a VIOLATION with probability ≤ 1e-3).
+"""
+
+import functools
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from scipy import stats
+import tensorflow as tf
+
+import test_distributed
+import tfdp_variants
+from tfdp_variants import algorithms
+from tfdp_variants import audit
+from tfdp_variants import transforms
+
+ALPHA = 1e-3
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (10, 10), (37, 500)])
+def test_clopper_pearson_matches_scipy_exact_interval(k, n):
+  # scipy's two-sided exact interval at 0.95 puts 0.025 in each tail.
+  ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+  lower, upper = audit.clopper_pearson(k, n, 0.025)
+  np.testing.assert_allclose([lower, upper], [ci.low, ci.high], rtol=1e-9, atol=1e-12)
+
+
+def test_threshold_bounds_of_perfect_separation_by_hand():
+  # 100 evaluation trials per side all separated: TPR_lo = a^(1/n), FPR_hi = 1 − a^(1/n).
+  present, absent = np.arange(200) + 1000.0, np.arange(200.0)
+  delta, alpha = 1e-5, 0.05
+  bounds = audit.threshold_bounds(present, absent, delta, alpha)
+  tpr_lo = (alpha / 2) ** (1 / 100)
+  fpr_hi = 1 - tpr_lo
+  assert bounds.epsilon == pytest.approx(math.log((tpr_lo - delta) / fpr_hi), rel=1e-9)
+  assert bounds.mu == pytest.approx(stats.norm.ppf(tpr_lo) - stats.norm.ppf(fpr_hi), rel=1e-9)
+  assert (bounds.max_epsilon, bounds.max_mu) == pytest.approx((bounds.epsilon, bounds.mu))
+
+
+def test_threshold_bounds_reversed_scores_use_the_complementary_test():
+  bounds = audit.threshold_bounds(np.arange(200.0), np.arange(200) + 1000.0, 1e-5, 0.05)
+  assert bounds.epsilon == pytest.approx(bounds.max_epsilon)  # Separated the other way round.
+
+
+def test_gaussian_scores_bounds_below_truth_and_mu_hat_within_interval():
+  rng = np.random.default_rng(1)
+  mu = 1.5
+  present, absent = rng.normal(mu, 1.0, 20000), rng.normal(0.0, 1.0, 20000)
+  mu_hat, low, high = audit.gaussian_mu(present, absent, ALPHA)
+  assert low < mu < high and high - low < 0.1
+  bounds = audit.threshold_bounds(present, absent, 1e-5, ALPHA)
+  assert 1.2 < bounds.mu < mu
+  assert 0 < bounds.epsilon < audit.gdp_epsilon(mu, 1e-5)
+
+
+def test_tpr_at_fpr_by_hand():
+  absent = np.arange(100.0)
+  present = absent + 50.5
+  # At most 10 absent scores above the threshold: threshold 89; present > 89 from 89.5: 61 of 100.
+  assert audit.tpr_at_fpr(present, absent, 0.1) == pytest.approx(0.61)
+
+
+def test_auroc_matches_pairwise_count_with_ties():
+  rng = np.random.default_rng(2)
+  present, absent = rng.integers(0, 6, 40).astype(float), rng.integers(0, 5, 30).astype(float)
+  diff = present[:, None] - absent[None, :]
+  expected = np.mean(diff > 0) + 0.5 * np.mean(diff == 0)
+  assert audit.auroc(present, absent) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0, 2.0])
+def test_gdp_epsilon_matches_dp_accounting_gaussian(mu):
+  delta = 1e-5
+  eps = audit.gdp_epsilon(mu, delta)
+  # Dong, Roth & Su's closed form at the ε it returns, and dp_accounting's PLD of the Gaussian.
+  closed = stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+  assert closed == pytest.approx(delta, rel=1e-6)
+  assert tfdp_variants.accounting.epsilon_of_event(
+      dp_accounting.GaussianDpEvent(1 / mu), delta, "pld") == pytest.approx(eps, rel=1e-3)
+
+
+def test_gdp_mu_of_event_composes():
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0),
+                                     dp_accounting.GaussianDpEvent(2.0)]), 4)
+  assert audit.gdp_mu_of_event(event) == pytest.approx(2 * math.sqrt(1.25))
+  assert audit.gdp_mu_of_event(dp_accounting.PoissonSampledDpEvent(
+      0.1, dp_accounting.GaussianDpEvent(1.0))) is None
+
+
+def test_one_run_bounds_by_hand():
+  assert audit.one_run_p_value(100, 20, 15, 1.0, 0.0) == pytest.approx(
+      stats.binom.sf(14, 20, math.exp(1) / (1 + math.exp(1))))
+  assert audit.one_run_p_value(100, 20, 15, 1.0, 1e-5) > audit.one_run_p_value(
+      100, 20, 15, 1.0, 0.0)
+  # 1000 canaries perfectly separated; k ∈ {1, 2, ..., 256} (9 choices), all 2k guesses correct:
+  # the best is k = 256, p(ε)^512 = alpha / 9.
+  included = np.arange(1000) % 2 == 0
+  scores = np.where(included, 10.0, 0.0) + np.arange(1000) * 1e-3
+  expected = special_logit((0.05 / 9) ** (1 / 512))
+  assert audit.one_run_epsilon(included, scores, 0.0, 0.05) == pytest.approx(expected, rel=1e-6)
+
+
+def special_logit(p):
+  return math.log(p / (1 - p))
+
+
+class _HalfNoise(algorithms.DPSGD):
+  """Broken: adds half the noise its event claims."""
+
+  def __call__(self, grads):
+    summed = transforms.flat_clipped_sum(grads, self.l2_norm_clip)
+    noised = self.gradient_query(summed, self.l2_norm_clip)
+    return self.mean([s + (n - s) / 2 for s, n in zip(summed, noised)], grads)
+
+
+class _NoClip(algorithms.DPSGD):
+  """Broken: clips at 100·C while its event claims C."""
+
+  def __call__(self, grads):
+    summed = transforms.flat_clipped_sum(grads, 100 * self.l2_norm_clip)
+    return self.mean(self.gradient_query(summed, self.l2_norm_clip), grads)
+
+
+class _HalfNoiseSGD(tfdp_variants.DPSGD):
+  algorithm_cls = _HalfNoise
+
+
+class _NoClipSGD(tfdp_variants.DPSGD):
+  algorithm_cls = _NoClip
+
+
+def test_dpsgd_audit_measures_one_over_sigma_and_is_consistent():
+  result = audit.audit(lambda: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                   learning_rate=1.0), trials=1000, alpha=ALPHA)
+  assert abs(result.mu_hat - 1.0) < 0.2  # SE ≈ 0.047.
+  assert result.certified_mu == pytest.approx(1.0)
+  assert result.certified_epsilon == pytest.approx(
+      tfdp_variants.accounting.epsilon_of_event(dp_accounting.GaussianDpEvent(1.0), 1e-5, "pld"),
+      rel=1e-3)
+  assert result.epsilon_lower < result.certified_epsilon and result.mu_lower < 1.0
+  assert result.verdict == "consistent"
+  assert 0.65 < result.auroc < 0.85  # Φ(μ/√2) = 0.76.
+  assert "consistent is not proved" in str(result)
+
+
+def test_microbatched_dpsgd_has_sensitivity_two_c_under_replacement():
+  result = audit.audit(lambda: tfdp_variants.DPSGD(l2_norm_clip=0.5, noise_multiplier=2.0,
+                                                   num_microbatches=4, learning_rate=1.0),
+                       trials=1000, batch_size=8, adjacency="replace", alpha=ALPHA)
+  assert result.certified_mu == pytest.approx(1.0)  # 2C / (σC) = 2/σ.
+  assert abs(result.mu_hat - 1.0) < 0.2
+  assert result.verdict == "consistent"
+
+
+def test_half_noise_is_a_violation():
+  result = audit.audit(lambda: _HalfNoiseSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                             learning_rate=1.0), trials=1000, alpha=ALPHA)
+  assert abs(result.mu_hat - 2.0) < 0.35
+  assert result.mu_lower > 1.0 and result.verdict == "VIOLATION"
+
+
+def test_skipped_clipping_is_a_violation():
+  result = audit.audit(lambda: _NoClipSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                          learning_rate=1.0), trials=200, alpha=ALPHA)
+  assert result.mu_hat > 20 and result.verdict == "VIOLATION"
+  # Perfect separation: each bound is the most 200 trials can show; ε's is below the certified ε
+  # (these trials have no power there), μ's is far above the certified μ = 1.
+  assert result.epsilon_lower == pytest.approx(result.max_detectable_epsilon)
+  assert result.epsilon_lower < result.certified_epsilon
+  assert result.mu_lower == pytest.approx(result.max_detectable_mu) and result.mu_lower > 2
+
+
+def test_one_run_dpsgd_is_consistent_and_catches_skipped_clipping():
+  good = audit.one_run(lambda: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=0.5,
+                                                   learning_rate=1.0), canaries=500, alpha=ALPHA)
+  assert good.epsilon_lower < good.certified_epsilon and good.verdict == "consistent"
+  bad = audit.one_run(lambda: _NoClipSGD(l2_norm_clip=1.0, noise_multiplier=3.0,
+                                         learning_rate=1.0), canaries=500)
+  assert bad.verdict == "VIOLATION"  # ε ≥ 3.8 > 1.27; at alpha 1e-3 its δ term weakens it to 1.1.
+
+
+def test_refusals_name_the_fix():
+  make = lambda: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0, num_microbatches=3)
+  with pytest.raises(ValueError, match="multiple of num_microbatches"):
+    audit.audit(make, trials=10, batch_size=8)
+  with pytest.raises(ValueError, match="adjacency"):
+    audit.audit(make, trials=10, batch_size=6, adjacency="add")
+  with pytest.raises(ValueError, match="num_microbatches=None"):
+    audit.one_run(make, canaries=10)
+
+
+# ----------------------------------------------------------------------------- every certified
+# algorithm and path, CI-sized: 300 trials per side (μ̂'s SE ≈ 0.09 at μ = 1), seconds each. Each
+# claim is μ = 1 (C = 1, σ = 1, one example per microbatch, or σ = 2 at the 2C of replacement).
+
+TRIALS = 300
+Z = 4.5  # μ̂ within Z standard errors of the claim: a correct optimizer fails with prob. 7e-6.
+
+CERTIFIED = {  # name: (optimizer class, its arguments besides C = 1 and learning_rate = 1).
+    "dpsgd": (tfdp_variants.DPSGD, dict(noise_multiplier=1.0)),
+    "microbatches": (tfdp_variants.DPSGD, dict(noise_multiplier=2.0, num_microbatches=4)),
+    "pigdo": (tfdp_variants.PIAdam, dict(noise_multiplier=1.0)),
+    "noisy_gradient_ca": (tfdp_variants.NoisyGradientSGD,
+                          dict(noise_multiplier=1.0, order="clip_then_noise")),
+    "adaptive_clip": (tfdp_variants.AdaptiveClipSGD, dict(noise_multiplier=1.0)),
+    "quantile_geometric": (tfdp_variants.QuantileClipSGD, dict(
+        noise_multiplier=1.0, method="geometric", clipped_count_stddev=1.0)),
+    "layered_certified": (tfdp_variants.LayeredClipSGD, dict(noise_multiplier=1.0, certified=True)),
+    "tanh_certified": (tfdp_variants.TanhFilterSGD, dict(noise_multiplier=1.0, certified=True)),
+}
+
+
+def _factory(name, **extra):
+  cls, kwargs = CERTIFIED[name]
+  return lambda: cls(l2_norm_clip=1.0, learning_rate=1.0, **kwargs, **extra)
+
+
+def _assert_matches_claim(result, claimed_mu=1.0):
+  assert result.claimed_mu == pytest.approx(claimed_mu)
+  se = math.sqrt(2 / result.trials + result.mu_hat**2 / (4 * result.trials))
+  assert abs(result.mu_hat - claimed_mu) < Z * se, (result.mu_hat, claimed_mu)
+  assert result.epsilon_lower < result.claimed_epsilon <= result.certified_epsilon
+  assert result.mu_lower < result.claimed_mu and result.verdict == "consistent"
+
+
+@pytest.mark.parametrize("name", sorted(CERTIFIED))
+def test_certified_algorithm_audit_matches_its_claim(name):
+  adjacency = "replace" if name == "microbatches" else "remove"
+  result = audit.audit(_factory(name), trials=TRIALS, adjacency=adjacency, alpha=ALPHA)
+  _assert_matches_claim(result)
+  composed = name in ("adaptive_clip", "quantile_geometric")
+  assert result.claim.startswith("the gradient query") == composed
+  assert (result.certified_mu > result.claimed_mu) == composed  # + the norm / count query.
+
+
+@functools.cache
+def _mirrored():
+  return test_distributed._mirrored()  # One strategy per process: see test_distributed.
+
+
+@pytest.mark.parametrize("name,path,mirrored", [
+    ("dpsgd", "fit", False), ("adaptive_clip", "fit", False), ("dpsgd", "fit", True),
+    ("quantile_geometric", "fit", True)])
+def test_audit_under_fit_and_mirrored_strategy(name, path, mirrored):
+  if mirrored and len(tf.config.list_logical_devices("CPU")) < 2:
+    pytest.skip("needs the two logical CPUs that conftest.py configures")
+  result = audit.audit(_factory(name), trials=TRIALS, path=path, alpha=ALPHA,
+                       strategy=_mirrored() if mirrored else None)
+  _assert_matches_claim(result)
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "quantile_geometric"])
+def test_audit_with_poisson_batches(name):
+  # expected_batch_size: the absent batch is one example shorter; the sum is divided by 8 always.
+  result = audit.audit(_factory(name, expected_batch_size=8.0), trials=TRIALS, alpha=ALPHA)
+  _assert_matches_claim(result)
+
+
+@pytest.mark.parametrize("path", audit.PATHS)
+def test_state_is_reset_every_trial(path):
+  # AdaptiveClip with α = 10 moves C from 1 to about 17 in one step; reset, every trial clips to
+  # C₀ = 1 and noises with σC₀: by hand, present − absent has mean C₀/B and the absent std σC₀/B.
+  present, absent = audit.canary_scores(
+      lambda: tfdp_variants.AdaptiveClipSGD(1.0, 1.0, alpha=10.0, learning_rate=1.0),
+      TRIALS, batch_size=8, path=path)
+  assert abs(np.mean(present) - np.mean(absent) - 1 / 8) < Z * math.sqrt(2 / TRIALS) / 8
+  assert np.std(absent) == pytest.approx(1 / 8, rel=0.2)
+  assert np.std(present) == pytest.approx(1 / 8, rel=0.2)
