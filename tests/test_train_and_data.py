@@ -7,10 +7,14 @@ import subprocess
 import sys
 
 from absl import app
+from absl import flags
+import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import test_audit
+import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import data
 from tfdp_variants import replicas
@@ -154,6 +158,43 @@ def test_binary_refuses_flat_npz_images_with_the_fix(tmp_path):
 def test_poisson_with_microbatches_is_refused_up_front(tmp_path):
   out = _run(tmp_path, "--num_microbatches=10", "--epochs=1")
   assert out.returncode != 0 and "--sampling=shuffle" in out.stderr
+
+
+def test_audit_flag_prints_verdict_and_certified_epsilon_before_training(tmp_path):
+  stdout, summary = _train(tmp_path, "--audit", "--audit_trials=200", "--epochs=1",
+                           "--batch_size=100", "--noise_multiplier=1.0")
+  record = summary["audit"]
+  # One unsampled Gaussian step of sensitivity C and noise σC: dp_accounting's ε at δ.
+  want = accounting.epsilon_of_event(dp_accounting.GaussianDpEvent(1.0), 1e-5, "pld")
+  assert record["certified_epsilon"] == pytest.approx(want, rel=1e-3)
+  assert record["verdict"] == "consistent" and record["trials"] == 200
+  assert record["synthetic_data"] and record["adjacency"] == "remove"
+  assert record["path"] == "compute_gradients" and record["audited_strategy"] == "none"
+  assert record["epsilon_lower"] < record["certified_epsilon"]
+  assert 0 < record["max_detectable_epsilon"] < record["certified_epsilon"]  # Hence "not proved".
+  assert "it reads no training example" in stdout
+  line = (f"Audit verdict: consistent; measured ε lower bound {record['epsilon_lower']:.3f} beside "
+          f"certified ε = {record['certified_epsilon']:.3f} of one step")
+  assert line in stdout and f"at most ε = {record['max_detectable_epsilon']:.3f}" in stdout
+  assert stdout.index(line) < stdout.index("epoch 1:")
+  assert summary["steps"] == 14  # Then it trained as without --audit.
+
+
+def test_audit_violation_stops_before_training(tmp_path, monkeypatch):
+  """An optimizer that skips clipping (test_audit) is caught; nothing trains. In process."""
+  monkeypatch.setattr(tfdp_variants, "make_dp_optimizer_class",
+                      lambda base, algorithm: test_audit._NoClipSGD)
+  flags.FLAGS(["train", "--audit", "--audit_trials=100", f"--logdir={tmp_path}"])
+  try:
+    with pytest.raises(SystemExit, match="VIOLATION.*Training stopped before it began"):
+      train.main([])
+  finally:
+    flags.FLAGS.unparse_flags()
+  with open(tmp_path / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["trained"] is False and summary["audit"]["verdict"] == "VIOLATION"
+  assert summary["audit"]["mu_lower"] > summary["audit"]["claimed_mu"]
+  assert not list(tmp_path.rglob("events.out.tfevents*"))
 
 
 def test_bad_options_flag():

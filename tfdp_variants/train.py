@@ -17,6 +17,11 @@ With --target_epsilon, σ is calibrated to the certified ε of the algorithm's o
 chosen sampling (e.g. with the norm query of adaptive clipping), or to its nominal ε when it has no
 certified one (said so).
 
+--audit runs a short canary audit (`tfdp_variants.audit`, --audit_trials per side) of the optimizer
+before training, on synthetic data only (it reads no training example): it prints the verdict, the
+bounds and the certified ε of one step, records them in summary.json, and a VIOLATION stops the run
+before training (exit status 1).
+
 Several devices or hosts (`tfdp_variants.replicas`): --strategy=mirrored trains on every GPU of this
 host (tf.distribute.MirroredStrategy), --strategy=multi_worker on the hosts that TF_CONFIG names
 (tf.distribute.MultiWorkerMirroredStrategy; run the binary on each host with the same flags).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -38,7 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import app
 from absl import flags
@@ -47,6 +53,7 @@ import tensorflow as tf
 
 import tfdp_variants
 from tfdp_variants import algorithms
+from tfdp_variants import audit
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import models
@@ -103,6 +110,13 @@ _STRATEGY = flags.DEFINE_enum("strategy", "none", ["none", "mirrored", "multi_wo
                               "host's GPUs; multi_worker: tf.distribute.MultiWorkerMirroredStrategy "
                               "over the hosts in TF_CONFIG (run the binary on each). --batch_size is "
                               "the global batch.")
+_AUDIT = flags.DEFINE_bool("audit", False, "Before training, a short canary audit "
+                           "(tfdp_variants.audit) of this optimizer, its options, σ, C, "
+                           "microbatches, sampling and strategy, on synthetic data (it reads no "
+                           "training example), printed beside the certified ε of one step; a "
+                           "VIOLATION stops before training (exit status 1).")
+_AUDIT_TRIALS = flags.DEFINE_integer("audit_trials", 500, "Trials per side of --audit (seconds on "
+                                     "2 CPU cores); more trials detect larger ε.", lower_bound=2)
 _CPU_REPLICAS = flags.DEFINE_integer("cpu_replicas", None, "Testing without GPUs, with "
                                      "--strategy=mirrored: split the CPU into this many logical "
                                      "devices and mirror over them (they share its cores).",
@@ -203,6 +217,60 @@ def poisson_per_replica(strategy: tf.distribute.Strategy, x: np.ndarray, y: np.n
   return strategy.distribute_datasets_from_function(dataset_fn)
 
 
+AUDIT_ALPHA = 1e-3  # --audit stops a correct optimizer's run with probability ≤ 0.1%.
+
+
+def audit_before_training(make_optimizer: Callable[[], object], sampling: sampling_lib.Sampling,
+                          strategy: Optional[tf.distribute.Strategy], strategy_kind: str,
+                          num_microbatches: Optional[int], base: str, trials: int,
+                          delta: float) -> dict:
+  """--audit: prints `audit.audit` of one step of `make_optimizer()`; returns its summary record.
+
+  The canary experiment runs on synthetic data only (a linear model on R^4). Its batch keeps the
+  training's microbatches (num_microbatches of batch_size // num_microbatches examples each; else
+  8 examples, a multiple of the replicas), its adjacency is the sampling's (add/remove for Poisson
+  batches, replace-one for shuffled ones). Under MirroredStrategy it runs through fit under the
+  strategy. Under MultiWorkerMirroredStrategy fit would shard its canary batches among the
+  workers, so it runs on this process's device without the strategy, and says so.
+  """
+  replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+  if num_microbatches:
+    examples = num_microbatches * max(1, int(sampling.batch_size) // num_microbatches)
+  else:
+    examples = replicas * -(-8 // replicas)
+  adjacency = "replace" if sampling.kind == "shuffle" else "remove"
+  notes = []
+  if strategy_kind == "mirrored":
+    path, audited_strategy = "fit", strategy
+    where = f"model.fit under MirroredStrategy, {replicas} replicas"
+    if base != "sgd":
+      notes.append(f"Under fit the score is the {base} update, a post-processing of the "
+                   "gradient: the bounds hold, but μ̂ is not the gradient's.")
+  else:
+    path, audited_strategy, where = "compute_gradients", None, "compute_gradients, one device"
+    if strategy_kind == "multi_worker":
+      notes.append("The audit cannot run under MultiWorkerMirroredStrategy (fit would shard its "
+                   "canary batches among the workers): it ran on this worker's device without "
+                   "the strategy, so the workers' aggregation is not audited.")
+  print(f"Audit before training: {trials} canary trials per side on synthetic data (a linear model "
+        f"on R^4 and a gradient canary; it reads no training example), batches of {examples}, "
+        f"{adjacency} adjacency as the {sampling.kind} batches, via {where}.", flush=True)
+  result = audit.audit(make_optimizer, trials, delta=delta, alpha=AUDIT_ALPHA,
+                       batch_size=examples, adjacency=adjacency, path=path,
+                       strategy=audited_strategy)
+  certified = ("none (the optimizer certifies nothing)" if result.certified_epsilon is None
+               else f"{result.certified_epsilon:.3f}")
+  print(result)
+  print(f"Audit verdict: {result.verdict}; measured ε lower bound {result.epsilon_lower:.3f} "
+        f"beside certified ε = {certified} of one step without sampling amplification (δ = {delta}); "
+        f"{trials} trials could detect at most ε = {result.max_detectable_epsilon:.3f}, μ = "
+        f"{result.max_detectable_mu:.3f}.", *notes, flush=True)
+  record = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.repr}
+  record.update(path=path, audited_strategy=strategy_kind if path == "fit" else "none",
+                batch_size=examples, adjacency=adjacency, synthetic_data=True)
+  return record
+
+
 def main(argv):
   del argv
   started = time.time()
@@ -272,8 +340,31 @@ def main(argv):
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(
                       from_logits=models.outputs_logits(name), reduction="none"))
 
+  config = {
+      "privacy_guarantee": optimizer.privacy_guarantee, "delta": _DELTA.value,
+      "sampling": sampling.kind, "adjacency": sampling.adjacency,
+      "noise_multiplier": sigma, "accounting": _ACCOUNTING.value, "sampling_probability": q,
+      "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
+      "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
+      "learning_rate": _LR.value, "l2_norm_clip": _CLIP.value,
+      "num_microbatches": _MICRO.value, "strategy": _STRATEGY.value, "num_replicas": replicas,
+  }
   logdir = _LOGDIR.value or os.path.join("runs", f"{_ALGORITHM.value}-{time.strftime('%Y%m%d-%H%M%S')}")
   chief = is_chief(strategy)
+  if _AUDIT.value:
+    config["audit"] = audit_before_training(
+        lambda: optimizer_at(sigma), sampling, strategy, _STRATEGY.value, _MICRO.value,
+        _OPTIMIZER.value, _AUDIT_TRIALS.value, _DELTA.value)
+    if config["audit"]["verdict"] == "VIOLATION":
+      if chief:
+        os.makedirs(logdir, exist_ok=True)
+        with open(os.path.join(logdir, "summary.json"), "w") as f:
+          json.dump({**config, "trained": False}, f, indent=2)
+      sys.exit(f"--audit found a VIOLATION: the canary's bounds exceed what this optimizer "
+               f"certifies ({config['audit']['claim']}), so its code does not match its "
+               f"guarantee. Training stopped before it began. A correct optimizer is flagged with "
+               f"probability ≤ {AUDIT_ALPHA:g}: rerun with more --audit_trials to confirm, and do "
+               f"not train with this configuration until it is fixed.")
   # Every worker logs (TensorBoard's callback and the privacy logger run on all of them); the
   # others write to a temporary directory, removed at the end.
   write_dir = logdir if chief else tempfile.mkdtemp(prefix="tfdp_variants_worker_")
@@ -297,16 +388,8 @@ def main(argv):
     summary = {
         "test_accuracy": float(accuracy),
         "epsilon": logger.epsilon, "epsilon_nominal": logger.epsilon_nominal,
-        "privacy_guarantee": optimizer.privacy_guarantee, "delta": _DELTA.value,
-        "sampling": sampling.kind, "adjacency": sampling.adjacency,
-        "noise_multiplier": sigma, "steps": logger.steps,
-        "accounting": _ACCOUNTING.value, "sampling_probability": q,
-        "train_accuracy": float(history.history["accuracy"][-1]),
-        "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
-        "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
-        "learning_rate": _LR.value, "l2_norm_clip": _CLIP.value,
-        "num_microbatches": _MICRO.value, "strategy": _STRATEGY.value, "num_replicas": replicas,
-        "wall_seconds": round(time.time() - started, 1),
+        "steps": logger.steps, "train_accuracy": float(history.history["accuracy"][-1]),
+        **config, "wall_seconds": round(time.time() - started, 1),
     }
     with open(os.path.join(write_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
