@@ -22,6 +22,8 @@ B = 4
 DENSE = ["outer", "rowsum"]
 # Rules of a normalization layer's scale and offset.
 NORM = ["rowsum", "rowsum"]
+# Rules of a looped recurrent layer's kernel, recurrent kernel and bias (read in the loop body).
+RNN = ["fallback"] * 3
 
 
 
@@ -123,9 +125,16 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                           _ints(B, 5), ["gather", *DENSE]),
     # The ids' examples lie on axis 1: the gather rule cannot group rows, the fallback is exact.
     "embedding_time_major": (_time_major_embedding, _ints(B, 5), ["fallback", *DENSE]),
-    # Looped RNNs: no rule proves a while loop's outputs example-major, the Dense head included.
-    "lstm": (lambda: _seq((4, 3), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3), None),
-    "gru": (lambda: _seq((4, 3), L.GRU(3), L.Dense(2)), _floats(B, 4, 3), None),
+    # Looped RNNs: the batch-axis analysis follows the while loop, so the layers after it take
+    # their rules; the cell's own weights (read in the loop body) take the fallback.
+    "lstm": (lambda: _seq((4, 3), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),
+    "gru": (lambda: _seq((4, 3), L.GRU(3), L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),
+    "simple_rnn": (lambda: _seq((4, 3), L.SimpleRNN(3), L.Dense(2)), _floats(B, 4, 3),
+                   RNN + DENSE),
+    "lstm_sequences": (lambda: _seq((4, 3), L.LSTM(3, return_sequences=True), L.Flatten(),
+                                    L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),
+    "bidirectional_gru": (lambda: _seq((4, 3), L.Bidirectional(L.GRU(2)), L.Dense(2)),
+                          _floats(B, 4, 3), RNN * 2 + DENSE),
     "shared_dense": (_shared_dense, _floats(B, 4), DENSE * 2),
     # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
     "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),
@@ -147,9 +156,11 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                           _floats(B, 5, 4), NORM + DENSE),
     "group_norm": (lambda: _seq((4, 4, 6), L.Conv2D(6, 1), L.GroupNormalization(3), L.Flatten(),
                                 L.Dense(2)), _floats(B, 4, 4, 6), DENSE + NORM + DENSE),
-    # PReLU reads -alpha (a Neg between the read and the product): no rule yet.
+    # PReLU computes -alpha · relu(-x): the broadcast rule with the sign of the Neg.
     "prelu": (lambda: _seq((5, 4), L.PReLU(), L.Flatten(), L.Dense(2)), _floats(B, 5, 4),
-              ["fallback", *DENSE]),
+              ["rowsum", *DENSE]),
+    "prelu_shared_axes": (lambda: _seq((5, 4), L.PReLU(shared_axes=[1]), L.Flatten(), L.Dense(2)),
+                          _floats(B, 5, 4), ["rowsum", *DENSE]),
     # EinsumDense with outputs of rank 1-3 (Keras 3: MatMul or BatchMatMulV2; Keras 2: Einsum).
     "einsum_dense_1d": (lambda: _seq((4,), L.EinsumDense("ab,bc->ac", 3, bias_axes="c"),
                                      L.Dense(2)), _floats(B, 4), DENSE * 2),
@@ -162,11 +173,25 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                                                       bias_axes="e"),
                                              L.Flatten(), L.Dense(2)),
                                 _floats(B, 5, 2, 3), DENSE * 2),
-    # The kernel takes its rule; the batch-axis analysis does not follow an ellipsis Einsum's
-    # output yet, so the head after it takes the fallback.
+    # Ellipsis equations: the ellipsis leading or trailing (the kernel contracts axis 1; Keras 3
+    # adds its bias with an NCHW BiasAdd).
     "einsum_dense_ellipsis": (lambda: _seq((5, 4), L.EinsumDense("...b,bc->...c", 3),
                                            L.Flatten(), L.Dense(2)),
-                              _floats(B, 5, 4), ["outer", "fallback", "fallback"]),
+                              _floats(B, 5, 4), ["outer", *DENSE]),
+    "einsum_dense_ellipsis_bias": (lambda: _seq((5, 4), L.EinsumDense("...b,bc->...c", 3,
+                                                                      bias_axes="c"),
+                                                L.Flatten(), L.Dense(2)),
+                                   _floats(B, 5, 4), DENSE * 2),
+    "einsum_dense_right_ellipsis": (lambda: _seq((4, 5), L.EinsumDense("ab...,bc->ac...", 3,
+                                                                       bias_axes="c"),
+                                                 L.Flatten(), L.Dense(2)),
+                                    _floats(B, 4, 5), DENSE * 2),
+    # Behind an op without a batch-axis rule (Roll) every variable takes the fallback, which must
+    # not vectorize Keras 3's rank-3 NCHW BiasAdd (pfor's BiasAddGrad assumes rank 4).
+    "einsum_dense_right_ellipsis_unproven": (
+        lambda: _seq((4, 5), L.Lambda(lambda t: tf.roll(t, 1, axis=2)),
+                     L.EinsumDense("ab...,bc->ac...", 3, bias_axes="c"), L.Flatten(), L.Dense(2)),
+        _floats(B, 4, 5), ["fallback"] * 4),
     "attention_1_head": (lambda: _attention(1), _floats(B, 3, 4), DENSE * 5),
     "attention_4_heads": (lambda: _attention(4), _floats(B, 3, 4), DENSE * 5),
     "attention_causal": (lambda: _attention(4, "causal"), _floats(B, 3, 4), DENSE * 5),
@@ -180,7 +205,8 @@ if hasattr(L, "RMSNormalization"):  # Keras 3 only.
   ZOO["rms_norm"] = (lambda: _seq((5, 4), L.RMSNormalization(), L.Flatten(), L.Dense(2)),
                      _floats(B, 5, 4), ["rowsum", *DENSE])
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
-       "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads"]
+       "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
+       "einsum_dense_right_ellipsis"]
 
 
 def _build(name):

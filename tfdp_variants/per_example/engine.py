@@ -134,8 +134,9 @@ def microbatch_losses(loss: tf.Tensor,
 
 
 def _factor(use: trace.Use, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
-  """The factor of one use, from the op's inputs and the gradient of its output (`rules.py`)."""
-  return rules.factor(use.kind, use.op, grad, m, var)
+  """The factor of one use, from the op's inputs and the gradient of its output (`rules.py`),
+  negated for a negated read (`Use.sign`)."""
+  return rules.factor(use.kind, use.op, grad if use.sign > 0 else -grad, m, var)
 
 
 def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,

@@ -310,33 +310,38 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 # EinsumDense: Einsum, or BatchMatMul of a 2-D kernel.
 
 
-def _einsum_split(op: tf.Operation, var_input: tf.Tensor) -> Optional[int]:
-  """For an Einsum x·w contracting x's last axes with w's first ones (x = P+C, w = C+Q,
-  out = P+Q, P possibly an ellipsis, no label repeated) whose x holds the examples on axis 0, in P:
-  the number of contracted axes |C|, else None."""
+@dataclasses.dataclass(frozen=True)
+class _Einsum:
+  """An Einsum x·w whose kernel w = C + Q (contracted labels C first, then Q, each once) meets an
+  example-major x = P ∪ C (P: labels not in w, examples first) in out = P ∪ Q, an ellipsis taken
+  as labels: x transposed by `x_perm` to (P, C) and the output by `out_perm` to (P, Q) give the
+  rows of an `Outer` (EinsumDense, its ellipsis on either side); `contracted` = |C|."""
+
+  x_perm: list
+  out_perm: list
+  contracted: int
+
+
+def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
   if (op.type != "Einsum" or len(op.inputs) != 2 or not _same(op.inputs[1], var_input)
-      or _same(op.inputs[0], var_input)):
+      or _same(op.inputs[0], var_input) or not var_input.shape.is_fully_defined()):
     return None
-  lhs, _, out = op.get_attr("equation").decode().replace(" ", "").partition("->")
-  x_spec, _, w_spec = lhs.partition(",")
-  rank, w_rank = op.inputs[0].shape.rank, var_input.shape.rank
-  if rank is None or w_rank != len(w_spec) or not var_input.shape.is_fully_defined():
+  labels = trace.einsum_labels(op)
+  if labels is None:
     return None
-  if x_spec.startswith("...") and out.startswith("..."):
-    x_spec, out, prefix = x_spec[3:], out[3:], ""
-  else:
-    prefix = x_spec[:len(x_spec) - sum(a in w_spec for a in x_spec)]
-    x_spec, out = x_spec[len(prefix):], out[len(prefix):] if out.startswith(prefix) else None
-  c = len(x_spec)
-  labels = prefix + w_spec
-  if (out is None or w_spec != x_spec + out or "." in labels or len(set(labels)) != len(labels)
-      or rank - c < 1 or trace.batch_axis(op.inputs[0]) != 0):
+  (x_spec, w_spec), out = labels
+  c = [a for a in w_spec if a in x_spec]
+  q = [a for a in w_spec if a not in x_spec]
+  p = [a for a in x_spec if a not in w_spec]
+  if (any(len(set(spec)) != len(spec) for spec in (x_spec, w_spec, out))
+      or list(w_spec) != c + q or sorted(out) != sorted(p + q) or not p or p[0] != x_spec[0]
+      or len(w_spec) != var_input.shape.rank or trace.batch_axis(op.inputs[0]) != 0):
     return None
-  return c
+  return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c))
 
 
 def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if _einsum_split(op, var_input) is None else "einsum"
+  return None if _einsum_use(op, var_input) is None else "einsum"
 
 
 def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -352,16 +357,19 @@ def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]
 
 def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
                         var: tf.Variable) -> F.Factor:
-  """z = x·w over x's last axes C and w's first (EinsumDense): g = Σ_t x_tᵀ dz_t over the rows t
+  """z = x·w over x's axes C and w's first (EinsumDense): g = Σ_t x_tᵀ dz_t over the rows t
   of the example's other axes, x_t flattened over C, dz_t over w's free axes."""
-  w = op.inputs[1]
+  x, w = op.inputs[0], op.inputs[1]
   transposed = op.type != "Einsum" and op.get_attr("adj_y")
-  c = _einsum_split(op, w) if op.type == "Einsum" else 1
+  c = 1
+  if op.type == "Einsum":
+    use = _einsum_use(op, w)
+    x, grad, c = tf.transpose(x, use.x_perm), tf.transpose(grad, use.out_perm), use.contracted
   sizes = w.shape.as_list()
   fan_in, fan_out = math.prod(sizes[:c]), math.prod(sizes[c:])
   if transposed:
     fan_in, fan_out = fan_out, fan_in
-  a = _rows(op.inputs[0], m, fan_in, var.dtype)
+  a = _rows(x, m, fan_in, var.dtype)
   d = _rows(grad, m, fan_out, var.dtype)
   return F.Outer(d, a, tuple(var.shape)) if transposed else F.Outer(a, d, tuple(var.shape))
 
@@ -426,6 +434,9 @@ def _grouped(op: tf.Operation) -> bool:
 PFOR_WRONG: dict[str, Callable[[tf.Operation], bool]] = {
     "Conv2D": _grouped,
     "Conv3D": _grouped,
+    # pfor's BiasAddGrad takes NCHW input to be of rank 4 (an error for Keras 3's EinsumDense
+    # "ab...,bc->ac...", whose bias is added on axis 1 of a rank-3 output).
+    "BiasAdd": lambda op: op.get_attr("data_format") == b"NCHW" and op.inputs[0].shape.rank != 4,
 }
 
 

@@ -9,8 +9,9 @@ backward pass is already in the graph when the optimizer runs; only the loss's a
 
 A rule groups the rows of its op's input by example, so it must know that the input has the
 examples on axis 0. `batch_axis` proves it: it tracks the batch axis from the data entering the step
-through every op of the forward pass, with one table of per-op rules (`_AXIS_RULES`); an op without
-a rule makes the axis unknown and the variable takes the exact fallback (fail closed).
+through every op of the forward pass, with one table of per-op rules (`_AXIS_RULES`), into function
+bodies (calls, If, While, TensorLists: the layers after a looped RNN); an op without a rule makes
+the axis unknown and the variable takes the exact fallback (fail closed).
 
 The same analysis proves that examples are not mixed (`loss_info`): an op that combines several
 examples (a reduction over the batch axis, a product contracting it, batch normalization in training
@@ -32,7 +33,8 @@ import tensorflow as tf
 from tfdp_variants.per_example import rules
 
 # Ops between a variable read and its use that only change shape or dtype: the per-example gradient
-# of the used tensor, reshaped to the variable's shape, is the variable's.
+# of the used tensor, reshaped to the variable's shape, is the variable's. A `Neg` on the way (PReLU
+# computes -alpha · relu(-x)) flips its sign (`Use.sign`).
 _PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast"})
 
 
@@ -41,11 +43,14 @@ class Use:
   """One op that uses a variable and has a per-example rule.
 
   kind: a key of `rules.RULES` ("matmul", "zero_matmul", "conv", "bias_add", "gather",
-  "gather_v2"); `op` the op; `output` the tensor whose gradient the rule needs.
+  "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs; `sign` -1
+  when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
+  linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
   """
 
   kind: str
   op: tf.Operation
+  sign: int = 1
 
   @property
   def output(self) -> tf.Tensor:
@@ -186,20 +191,44 @@ def _batch_matmul(op: tf.Operation, ins: list[Info]) -> Info:
   return Batch(axes.pop()) if len(axes) == 1 else None
 
 
+def einsum_labels(op: tf.Operation) -> Optional[tuple[list[str], str]]:
+  """An Einsum's input and output label strings, one label per axis: an ellipsis replaced by
+  fresh labels, right-aligned across operands as it broadcasts (None if a rank is unknown or the
+  equation has no "->")."""
+  equation = op.get_attr("equation").decode().replace(" ", "")
+  lhs, arrow, out = equation.partition("->")
+  specs = lhs.split(",")
+  if not arrow or len(specs) != len(op.inputs):
+    return None
+  if "." not in equation:
+    return specs, out
+  fresh = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in equation]
+  widths = []
+  for spec, t in zip(specs, op.inputs):
+    if _rank(t) is None:
+      return None
+    widths.append(_rank(t) - len(spec.replace("...", "")) if "..." in spec else 0)
+  n = max(widths)
+  if min(widths) < 0 or n > len(fresh):
+    return None
+  expand = lambda spec, w: spec.replace("...", "".join(fresh[n - w:n]))
+  return [expand(spec, w) for spec, w in zip(specs, widths)], expand(out, n)
+
+
 def _einsum(op: tf.Operation, ins: list[Info]) -> Info:
   """Einsum keeps the batch label when every batched operand has it and the output keeps it."""
-  equation = op.get_attr("equation").decode()
-  if "." in equation:
+  labels = einsum_labels(op)
+  if labels is None:
     return None
-  lhs, out = equation.split("->")
+  specs, out = labels
   labels = set()
-  for spec, info in zip(lhs.split(","), ins):
+  for spec, info in zip(specs, ins):
     if info.axis is not None:
       labels.add(spec[info.axis])
   label = labels.pop() if len(labels) == 1 else None
   if label is None or label not in out:
     return None
-  if any(info.axis is None and label in spec for spec, info in zip(lhs.split(","), ins)):
+  if any(info.axis is None and label in spec for spec, info in zip(specs, ins)):
     return None  # An unbatched operand indexed by the batch label (e.g. a (B, ...) constant).
   return Batch(out.index(label))
 
@@ -350,6 +379,15 @@ def _pad(op: tf.Operation, ins: list[Info]) -> Info:
   return ins[0] if pads is not None and pads[ins[0].axis] == [0, 0] else None
 
 
+def _reverse(op: tf.Operation, ins: list[Info]) -> Info:
+  """ReverseV2 along non-batch axes (a backward RNN's time axis); along the batch axis it would
+  reorder the examples."""
+  axes, rank = constant_value(op.inputs[1]), _rank(op.inputs[0])
+  if axes is None or rank is None or ins[1].axis is not None:
+    return None
+  return None if ins[0].axis in [_norm(a, rank) for a in axes] else ins[0]
+
+
 def _tile(op: tf.Operation, ins: list[Info]) -> Info:
   multiples = constant_value(op.inputs[1])
   return ins[0] if multiples is not None and multiples[ins[0].axis] == 1 else None
@@ -487,12 +525,12 @@ def _mix_batch_matmul(op: tf.Operation, ins: list[Info]) -> Optional[str]:
 
 
 def _mix_einsum(op: tf.Operation, ins: list[Info]) -> Optional[str]:
-  equation = op.get_attr("equation").decode().replace(" ", "")
-  if "." in equation:
+  labels = einsum_labels(op)
+  if labels is None:
     return None
-  lhs, out = equation.split("->")
+  specs, out = labels
   labels = set()
-  for t, spec, info in zip(op.inputs, lhs.split(","), ins):
+  for t, spec, info in zip(op.inputs, specs, ins):
     if _batched(info) and _several(t, info.axis):
       if spec[info.axis] not in out:
         return _CONTRACTS
@@ -552,7 +590,7 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack, "ConcatV2": _concat,
     "Split": _split, "SplitV": _split, "StridedSlice": _strided_slice, "Slice": _slice,
-    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "Tile": _tile,
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "Tile": _tile, "ReverseV2": _reverse,
     "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space,
     "SoftmaxCrossEntropyWithLogits": _cross_entropy,
@@ -575,7 +613,9 @@ _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # assigned to the variables the ops read; `constants` (a batch size) treats captured tensors and
 # constants with that many rows as data.
 _Mode = tuple[bool, bool, Optional[int]]
-_SHALLOW: _Mode = (False, False, None)
+# The rules' proofs: bodies followed (a looped RNN's outputs feed its Dense head), assigns not
+# (`loss_info` refuses those).
+_AXES: _Mode = (True, False, None)
 _MEMO: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 # Tensors that the DP mechanism released (the noised update): post-processing mixes nothing.
 _RELEASED: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
@@ -842,7 +882,7 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
 @tf.autograph.experimental.do_not_convert
 def batch_info(t: tf.Tensor) -> Info:
   """Where `t`'s examples lie: a `Batch` (axis None: no example), `Mixed`, or None if unknown."""
-  return _analyse(t, _graph_memo(t.graph, _SHALLOW))
+  return _analyse(t, _graph_memo(t.graph, _AXES))
 
 
 def batch_axis(t: tf.Tensor) -> Optional[int]:
@@ -850,7 +890,9 @@ def batch_axis(t: tf.Tensor) -> Optional[int]:
 
   Base case: the data entering the step (the function's tensor arguments, iterator outputs) holds
   examples on axis 0; variables, constants and captured eager tensors hold none; ragged and sparse
-  components, loop state and any op without a rule in `_AXIS_RULES` are unknown.
+  components and any op without a rule in `_AXIS_RULES` are unknown. Calls, If and While bodies
+  (to a fixed point over the loop variables) and TensorLists are followed as in `loss_info`, so the
+  outputs of a looped RNN are proven example-major where its body keeps each example's row apart.
   """
   info = batch_info(t)
   return None if not isinstance(info, Batch) or info.block else info.axis
@@ -892,14 +934,16 @@ def ancestors(t: tf.Tensor) -> Iterator[tf.Operation]:
 
 
 
-def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
-  """Rule-bearing uses of a read of a variable, or None if any use has no rule."""
+def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation],
+             sign: int = 1) -> Optional[list[Use]]:
+  """Rule-bearing uses of a read of a variable (negated if `sign` is -1), or None if any use has
+  no rule."""
   uses = []
   for op in tensor.consumers():
     if op not in forward:
       continue
-    if op.type in _PASS_THROUGH:
-      sub = _uses_of(op.outputs[0], forward)
+    if op.type in _PASS_THROUGH or op.type == "Neg":
+      sub = _uses_of(op.outputs[0], forward, -sign if op.type == "Neg" else sign)
       if sub is None:
         return None
       uses.extend(sub)
@@ -907,7 +951,7 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use
     kind = rules.match(op, tensor)
     if kind is None:
       return None
-    uses.append(Use(kind, op))
+    uses.append(Use(kind, op, sign))
   return uses
 
 
