@@ -124,11 +124,6 @@ def test_mirrored_update_is_dpsgd_on_the_global_batch(num_microbatches):
     assert model.optimizer.per_example_rules == ("outer", "rowsum") * 2  # The fast path.
 
 
-@pytest.mark.xfail(
-    not keras_integration.KERAS_3 and not tf.__version__.startswith("2.15."),
-    raises=tf.errors.InvalidArgumentError, strict=True,
-    reason="tf-keras on TF 2.21: a replica's empty batch on the exact fallback path (which tf-keras' "
-    "distributed datasets take) fails in TF's pfor (a MatMul of [0,5] by [1,0]): loud, not wrong")
 def test_mirrored_poisson_batch_is_divided_by_the_global_expected_size():
   # Batches of 7, 7 and 1, as Poisson sampling varies them: the replicas get 4 and 3 examples,
   # then 1 and none. (Keras 3 alone cannot start fit on a batch that does not split evenly.)

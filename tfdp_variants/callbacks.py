@@ -211,6 +211,10 @@ class _Accountant(tf.keras.callbacks.Callback):
     self._registered = True
     self._read_steps()
 
+  def on_epoch_end(self, epoch, logs=None):
+    del epoch, logs
+    self._optimizer.raise_if_self_check_failed()  # Under XLA a failure cannot raise in a step.
+
   def _read_steps(self) -> int:
     counter = getattr(self._optimizer, "dp_steps", None)
     self.steps = 0 if counter is None else int(counter.numpy())
@@ -275,7 +279,7 @@ class PrivacyLogger(_Accountant):
     self.epsilon_nominal: Optional[float] = None
 
   def on_epoch_end(self, epoch, logs=None):
-    self._optimizer.raise_if_self_check_failed()  # Under XLA a failure cannot raise in a step.
+    super().on_epoch_end(epoch, logs)
     self.epsilon, self.epsilon_nominal = self._epsilons(self._read_steps())
     values = {"epsilon_nominal": self.epsilon_nominal}
     if self.epsilon is not None:
