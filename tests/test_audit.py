@@ -273,3 +273,45 @@ def test_state_is_reset_every_trial(path):
   assert abs(np.mean(present) - np.mean(absent) - 1 / 8) < Z * math.sqrt(2 / TRIALS) / 8
   assert np.std(absent) == pytest.approx(1 / 8, rel=0.2)
   assert np.std(present) == pytest.approx(1 / 8, rel=0.2)
+
+
+# ----------------------------------------------------------------------------- black-box canaries:
+# the loss of the canary after 2 full-batch steps of a logistic regression, 150 trials per side.
+
+
+def test_black_box_audit_of_dpsgd_is_consistent():
+  result = audit.audit(lambda: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=2.0,
+                                                   learning_rate=1.0),
+                       trials=150, black_box=True, steps=2, alpha=ALPHA)
+  # The claim is both steps composed: μ = √2/σ.
+  assert result.claimed_mu == pytest.approx(math.sqrt(2) / 2)
+  assert result.epsilon_lower < result.certified_epsilon and result.verdict == "consistent"
+  assert result.kind == "black-box loss canary" and "μ̂ assumes Gaussian" in str(result)
+
+
+def test_black_box_audit_catches_skipped_clipping_with_a_user_model():
+  # The user's own model, loss and data; the canary is a mislabeled far point (gradient ≈ 50·C).
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(7, 3)).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  model_factory = lambda: tf.keras.Sequential([
+      tf.keras.Input((3,)), tf.keras.layers.Dense(2, kernel_initializer="zeros")])
+  loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+  result = audit.audit(lambda: _NoClipSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                          learning_rate=1.0),
+                       trials=150, black_box=True, steps=2, alpha=ALPHA,
+                       model_factory=model_factory, data=(x, y), loss=loss,
+                       canary_example=(np.full(3, 100.0, np.float32), np.int32(0)))
+  assert result.claimed_mu == pytest.approx(math.sqrt(2))
+  assert result.mu_lower > result.claimed_mu and result.verdict == "VIOLATION"
+
+
+def test_black_box_refusals_name_the_fix():
+  make = lambda: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0)
+  with pytest.raises(ValueError, match="leave adjacency"):
+    audit.audit(make, trials=10, black_box=True, adjacency="replace")
+  with pytest.raises(ValueError, match="pass model_factory too"):
+    audit.audit(make, trials=10, black_box=True, data=(np.zeros((3, 2)), np.zeros(3)))
+  with pytest.raises(ValueError, match="canary_example"):
+    audit.black_box_scores(make, 10, model_factory=lambda: None, loss=lambda y, p: p,
+                           data=(np.zeros((3, 2)), np.zeros(3)))

@@ -30,6 +30,11 @@ a `tf.distribute` strategy or with Poisson batches (`expected_batch_size`):
 Every trial starts from the freshly built optimizer's state (each optimizer variable is reset),
 so trials are independent draws of the mechanism the certified event describes.
 
+`audit(..., black_box=True)` (`black_box_scores`) needs no gradient: it trains a model (the user's,
+or a tiny logistic regression) from one fixed initialization for a few full-batch steps with and
+without a canary example, scored by minus the canary's loss after training, and holds the bounds
+to the ε of all those steps (the canary in every step: no amplification by sampling is claimed).
+
 Example:
   >>> import tfdp_variants
   >>> result = tfdp_variants.audit.audit(
@@ -470,6 +475,149 @@ def _examples_per_microbatch(optimizer, batch_size: int) -> int:
   return batch_size // microbatches
 
 
+# ----------------------------------------------------------------------------- black-box canaries
+
+
+def _default_black_box(optimizer, batch_size: int, dim: int, seed):
+  """The default black-box setting: a zero-initialized logistic regression without bias on
+  `batch_size − 1` Gaussian examples labelled 1[Σx > 0], and the mislabeled canary x = 100·C·u,
+  y = 0 (u all-ones/√dim), whose gradient (≥ 50·C at the start) is clipped to C."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(batch_size - 1, dim)).astype(np.float32)
+  y = (x.sum(axis=1) > 0).astype(np.float32)
+  canary = (np.full(dim, 100 * float(optimizer.l2_norm_clip) / math.sqrt(dim), np.float32),
+            np.float32(0.0))
+  model_factory = lambda: tf.keras.Sequential([
+      tf.keras.Input((dim,)),
+      tf.keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+  loss = lambda y_true, logits: tf.keras.losses.binary_crossentropy(
+      tf.reshape(y_true, [-1, 1]), logits, from_logits=True)
+  return model_factory, (x, y), loss, canary
+
+
+def _black_box_experiment(optimizer_factory: Callable[[], object], trials: int, model_factory,
+                          data, loss, canary_example, steps: int, batch_size: Optional[int],
+                          dim: Optional[int], seed):
+  """(present scores, absent scores, the optimizer, the batch size); see `black_box_scores`."""
+  for name, value, low in (("trials", trials, 2), ("steps", steps, 1)):
+    if not (isinstance(value, int) and value >= low):
+      raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+  optimizer = optimizer_factory()
+  if model_factory is None:
+    if data is not None or loss is not None or canary_example is not None:
+      raise ValueError("data, loss and canary_example go with your own model_factory; without "
+                       "one the default synthetic setting is used: pass model_factory too.")
+    batch_size, dim = batch_size or 8, dim or 4
+    if batch_size < 2 or dim < 1:
+      raise ValueError(f"Need batch_size >= 2 and dim >= 1, got {batch_size} and {dim}.")
+    model_factory, data, loss, canary_example = _default_black_box(optimizer, batch_size, dim,
+                                                                   seed)
+  elif data is None or loss is None or batch_size is not None or dim is not None:
+    raise ValueError("With your own model_factory pass data=(x, y) and a per-example loss, and "
+                     "leave batch_size and dim unset (the batch is the data plus the canary).")
+  x, y = (np.asarray(a) for a in data)
+  if len(x) < 1 or len(x) != len(y):
+    raise ValueError(f"data must be (x, y) with as many labels as inputs, got {len(x)} inputs "
+                     f"and {len(y)} labels.")
+  if canary_example is None:  # The first input with another example's label.
+    other = [i for i in range(1, len(y)) if not np.array_equal(y[i], y[0])]
+    if not other:
+      raise ValueError("All labels are equal, so no default mislabeled canary exists: pass "
+                       "canary_example=(x, y).")
+    canary_example = (x[0], y[other[0]])
+  cx, cy = (np.asarray(a) for a in canary_example)
+  if cx.shape != x.shape[1:] or cy.shape != y.shape[1:]:
+    raise ValueError(f"canary_example must be one input of shape {x.shape[1:]} and one label of "
+                     f"shape {y.shape[1:]}, got {cx.shape} and {cy.shape}.")
+  xs = np.concatenate([cx[None], x]).astype(x.dtype)  # The canary first.
+  ys = np.concatenate([cy[None].astype(y.dtype), y])
+  batch_size = len(xs)
+  _examples_per_microbatch(optimizer, batch_size)
+  model = model_factory()
+  model(xs[:1])  # Builds its variables.
+  _build(optimizer, model.trainable_variables)
+  weights = model.weights
+  state = _optimizer_variables(optimizer)
+  initial_weights = [w.numpy() for w in weights]
+  initial_state = [v.numpy() for v in state]
+
+  def per_example(xb, yb):
+    values = loss(yb, model(xb, training=True))
+    if values.shape.rank != 1:
+      raise ValueError(f"loss must return one loss per example, shape ({batch_size},), got shape "
+                       f"{values.shape}: use a per-example loss (reduction='none').")
+    return values
+
+  def trial(xb, yb, mask):
+    for v, value in zip(list(weights) + state, initial_weights + initial_state):
+      v.assign(value)
+    for _ in range(steps):
+      with tf.GradientTape() as tape:
+        # Weight 0 removes the canary: its clipped gradient is 0, the batch keeps its size.
+        per_loss = per_example(xb, yb) * mask
+      optimizer.minimize(per_loss, model.trainable_variables, tape)
+    # Read after the updates (automatic control dependencies on the variables).
+    return -tf.cast(tf.reduce_sum(loss(yb[:1], model(xb[:1], training=False))), tf.float32)
+
+  present_mask = np.ones(batch_size, np.float32)
+  absent_mask = present_mask.copy()
+  absent_mask[0] = 0.0
+
+  @tf.function
+  def run():
+    def body(i, xb, yb, mp, ma, scores_p, scores_a):
+      score_p = trial(xb, yb, mp)
+      with tf.control_dependencies([score_p]):
+        score_a = trial(xb, yb, ma)
+      return i + 1, xb, yb, mp, ma, scores_p.write(i, score_p), scores_a.write(i, score_a)
+    *_, scores_p, scores_a = tf.while_loop(
+        lambda i, *_: i < trials, body,
+        (tf.constant(0), tf.constant(xs), tf.constant(ys), tf.constant(present_mask),
+         tf.constant(absent_mask), tf.TensorArray(tf.float32, size=trials),
+         tf.TensorArray(tf.float32, size=trials)))
+    return scores_p.stack(), scores_a.stack()
+
+  present, absent = (s.numpy().astype(np.float64) for s in run())
+  return present, absent, optimizer, batch_size
+
+
+def black_box_scores(optimizer_factory: Callable[[], object], trials: int, *,
+                     model_factory: Optional[Callable[[], tf.keras.Model]] = None,
+                     data: Optional[tuple] = None, loss: Optional[Callable] = None,
+                     canary_example: Optional[tuple] = None, steps: int = 2,
+                     batch_size: Optional[int] = None, dim: Optional[int] = None,
+                     seed: Optional[int] = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Black-box canary scores: minus the canary's loss after training with and without it.
+
+  Each of `trials` trials per side resets the model to one fixed initialization (the weights
+  `model_factory` built) and the optimizer to its freshly built state, runs `steps` private
+  full-batch steps (`minimize`) on the data plus the canary, and scores −loss(canary) of the
+  trained model. "Absent" runs keep the batch and give the canary weight 0 (its clipped gradient
+  is 0: add/remove adjacency at a fixed batch size). Only the trained model is read, never a
+  gradient, so any model and configuration can be audited.
+
+  Args:
+    optimizer_factory: returns a fresh DP optimizer.
+    trials: trials per side.
+    model_factory: returns an uncompiled Keras model (default: a zero-initialized logistic
+      regression in R^dim without bias on `batch_size − 1` synthetic examples).
+    data: (x, y), the other examples of the batch; needed with `model_factory`.
+    loss: per-example loss(y_true, y_pred) of shape (batch,); needed with `model_factory`.
+    canary_example: (x, y) of the canary (default: the first input with another example's
+      label; in the default setting x = 100·C·u with u all-ones/√dim and the wrong label 0).
+    steps: private steps per trial; the canary is in every step of a present trial.
+    batch_size, dim: the default setting's batch (canary included, default 8) and input size
+      (default 4); leave unset with `model_factory`.
+    seed: the default setting's synthetic data.
+
+  Returns:
+    (present, absent): float64 arrays of `trials` scores each.
+  """
+  present, absent, *_ = _black_box_experiment(optimizer_factory, trials, model_factory, data,
+                                              loss, canary_example, steps, batch_size, dim, seed)
+  return present, absent
+
+
 # ----------------------------------------------------------------------------- the verdict
 
 
@@ -510,6 +658,7 @@ class AuditResult:
     verdict: "VIOLATION" (a lower bound exceeds its claimed value), "consistent" (none does:
       not a proof), or "uncertified" (the optimizer certifies nothing).
     present, absent: the scores.
+    kind: "white-box gradient canary" or "black-box loss canary" (μ̂ then only an estimate).
   """
   mu_hat: float
   mu_interval: tuple[float, float]
@@ -535,6 +684,7 @@ class AuditResult:
   steps: int
   present: np.ndarray = dataclasses.field(repr=False)
   absent: np.ndarray = dataclasses.field(repr=False)
+  kind: str = "white-box gradient canary"
 
   def __str__(self) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"
@@ -552,8 +702,11 @@ class AuditResult:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(f"verdict: {self.verdict} against {self.claim} ({self.trials} trials per side, "
-                 f"{self.steps} step(s), confidence {1 - self.alpha:g})")
+    lines.append(f"verdict: {self.verdict} against {self.claim} ({self.kind}, {self.trials} "
+                 f"trials per side, {self.steps} step(s), confidence {1 - self.alpha:g})")
+    if self.kind.startswith("black-box"):
+      lines.append("μ̂ assumes Gaussian scores of equal variance, which losses are not: the lower "
+                   "bounds assume nothing.")
     if self.verdict == "consistent":
       lines.append("consistent is not proved: these trials cannot detect an ε above "
                    f"{self.max_detectable_epsilon:.3f} or a μ above {self.max_detectable_mu:.3f}.")
@@ -561,21 +714,29 @@ class AuditResult:
 
 
 def audit(optimizer_factory: Callable[[], object], trials: int = 1000, *, delta: float = 1e-5,
-          alpha: float = 0.05, batch_size: int = 8, dim: int = 4, adjacency: str = "remove",
-          steps: int = 1, canary: Optional[Sequence[float]] = None,
+          alpha: float = 0.05, batch_size: Optional[int] = None, dim: Optional[int] = None,
+          adjacency: str = "remove", steps: int = 1, canary: Optional[Sequence[float]] = None,
           path: str = "compute_gradients", strategy: Optional[tf.distribute.Strategy] = None,
-          fpr: float = 0.01, seed: Optional[int] = 0) -> AuditResult:
-  """White-box gradient-canary audit of a DP optimizer (module docstring), with its verdict.
+          fpr: float = 0.01, seed: Optional[int] = 0, black_box: bool = False,
+          model_factory: Optional[Callable[[], tf.keras.Model]] = None,
+          data: Optional[tuple] = None, loss: Optional[Callable] = None,
+          canary_example: Optional[tuple] = None) -> AuditResult:
+  """Canary audit of a DP optimizer, with its verdict: white-box gradient canaries (module
+  docstring), or with `black_box=True` the loss of a canary example after training.
 
   Args:
     optimizer_factory: returns a fresh DP optimizer (any of this package's classes).
     trials: trials per side (canary present / absent); the bounds' power grows with it.
     delta: δ of the ε bounds and of the certified ε.
     alpha: one minus the confidence of every interval and bound.
-    batch_size, dim, adjacency, steps, canary, path, strategy: the experiment
-      (`canary_scores`).
+    batch_size, dim, adjacency, steps, canary, path, strategy: the white-box experiment
+      (`canary_scores`; batch_size 8 and dim 4 unless set).
     fpr: the false-positive rate of `tpr_at_fpr`.
     seed: the other examples' inputs and the split of trials into threshold choice / evaluation.
+    black_box, model_factory, data, loss, canary_example: the black-box experiment
+      (`black_box_scores`: steps, batch_size, dim and seed apply too; adjacency "remove", canary,
+      path and strategy are white-box only). Its μ̂ assumes Gaussian scores of equal variance,
+      which losses are not: read `mu_lower` and `epsilon_lower`, which assume nothing.
 
   Returns:
     An `AuditResult`. Its certified values are the optimizer's own `mechanism_event` for this
@@ -586,8 +747,21 @@ def audit(optimizer_factory: Callable[[], object], trials: int = 1000, *, delta:
   _check_delta_alpha(delta, alpha)
   if delta == 0:
     raise ValueError("delta must be > 0 for the certified ε of a Gaussian mechanism.")
-  present, absent, optimizer = _experiment(optimizer_factory, trials, batch_size, dim, adjacency,
-                                           steps, canary, path, strategy, seed)
+  if black_box:
+    if (adjacency != "remove" or canary is not None or path != "compute_gradients"
+        or strategy is not None):
+      raise ValueError("A black-box audit removes the canary in a custom loop: leave adjacency, "
+                       "canary, path and strategy unset (canary_example sets the canary).")
+    present, absent, optimizer, batch_size = _black_box_experiment(
+        optimizer_factory, trials, model_factory, data, loss, canary_example, steps, batch_size,
+        dim, seed)
+  elif any(a is not None for a in (model_factory, data, loss, canary_example)):
+    raise ValueError("model_factory, data, loss and canary_example are for black_box=True.")
+  else:
+    batch_size = 8 if batch_size is None else batch_size
+    present, absent, optimizer = _experiment(optimizer_factory, trials, batch_size,
+                                             4 if dim is None else dim, adjacency, steps, canary,
+                                             path, strategy, seed)
   replace_one = adjacency == "replace"
   event = optimizer.mechanism_event(batch_size, replace_one=replace_one)
   certified_mu, certified_epsilon, _ = _claim(event, steps, delta, whole=True)
@@ -610,7 +784,8 @@ def audit(optimizer_factory: Callable[[], object], trials: int = 1000, *, delta:
       certified_epsilon=certified_epsilon, certified_mu=certified_mu, nominal_mu=nominal_mu,
       nominal_epsilon=nominal_epsilon, max_detectable_epsilon=bounds.max_epsilon,
       max_detectable_mu=bounds.max_mu, verdict=verdict, delta=delta, alpha=alpha, trials=trials,
-      steps=steps, present=present, absent=absent)
+      steps=steps, present=present, absent=absent,
+      kind="black-box loss canary" if black_box else "white-box gradient canary")
 
 
 def _claim(event: Optional[dp_accounting.DpEvent], steps: int, delta: float,
