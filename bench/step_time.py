@@ -1,4 +1,4 @@
-"""Step time of three models under each optimizer, as ratios to the non-private step.
+"""Step time of six models under each optimizer, as ratios to the non-private step.
 
 Models (synthetic data, no downloads; Adam as the base optimizer, one example per microbatch):
 
@@ -9,6 +9,8 @@ Models (synthetic data, no downloads; Adam as the base optimizer, one example pe
 * `transformer`: Embedding(8000, 128) over 64 token ids, 2 encoder blocks (MultiHeadAttention with
   4 heads of key_dim 32, residual, LayerNormalization, FFN 256 → 128, residual,
   LayerNormalization), mean pool, Dense(2), batch 64 (issue 16);
+* `lstm`: Embedding(8000, 64) over 64 token ids → LSTM(128) (looped, `unroll=False`) → Dense(2),
+  batch 64 (issue 16);
 * `groupnorm_cnn`: 32×32×3 inputs, Conv 32 → GroupNorm → Conv 64 stride 2 → GroupNorm → Conv 128
   stride 2 → GroupNorm (3×3 convs, 8 groups, ReLU after each norm) → global average pooling →
   Dense(10), batch 64 (issue 16).
@@ -97,6 +99,10 @@ def _transformer_layers() -> list:
           L.GlobalAveragePooling1D(), L.Dense(2)]
 
 
+def _lstm_layers() -> list:
+  return [L.Input((64,), dtype="int32"), L.Embedding(8000, 64), L.LSTM(128), L.Dense(2)]
+
+
 def _groupnorm_cnn_layers() -> list:
   layers = [L.Input((32, 32, 3))]
   for filters, stride in ((32, 1), (64, 2), (128, 2)):
@@ -117,6 +123,9 @@ WORKLOADS = {
     "transformer": Workload("small Transformer encoder", _transformer_layers,
                             lambda rng, b: (rng.integers(0, 8000, (b, 64), np.int32),
                                             rng.integers(0, 2, b)), 64),
+    "lstm": Workload("looped LSTM", _lstm_layers,
+                     lambda rng, b: (rng.integers(0, 8000, (b, 64), np.int32),
+                                     rng.integers(0, 2, b)), 64),
     "groupnorm_cnn": Workload("GroupNorm convnet", _groupnorm_cnn_layers,
                               lambda rng, b: (rng.random((b, 32, 32, 3), np.float32),
                                               rng.integers(0, 10, b)), 64),
@@ -140,16 +149,19 @@ def _dp(b: int) -> dict:
   return dict(l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=b, learning_rate=1e-3)
 
 
-def _compiled(model: tf.keras.Model, optimizer, reduction: str) -> tf.keras.Model:
+def _compiled(model: tf.keras.Model, optimizer, reduction: str,
+              jit_compile: bool = False) -> tf.keras.Model:
   model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=reduction))
+      from_logits=True, reduction=reduction), jit_compile=jit_compile)
   return model
 
 
-def _with(make_optimizer: Callable[[int], object]) -> Callable[[list, int], tf.keras.Model]:
+def _with(make_optimizer: Callable[[int], object],
+          jit_compile: bool = False) -> Callable[[list, int], tf.keras.Model]:
   """A row that trains a Sequential model of `layers` with `make_optimizer(batch)`, a DP optimizer
-  (per-example loss)."""
-  return lambda layers, b: _compiled(tf.keras.Sequential(layers), make_optimizer(b), "none")
+  (per-example loss), compiled by XLA with `jit_compile`."""
+  return lambda layers, b: _compiled(tf.keras.Sequential(layers), make_optimizer(b), "none",
+                                     jit_compile)
 
 
 def _nonprivate(layers: list, b: int) -> tf.keras.Model:
@@ -200,6 +212,8 @@ def rows() -> list[Row]:
       Row("dpadam", "DPAdam (DP-SGD)", _with(lambda b: tfdp_variants.DPAdam(**_dp(b))), 2.1),
       Row("dpadam_nocheck", "DPAdam, self_check=False",
           _with(lambda b: tfdp_variants.DPAdam(self_check=False, **_dp(b))), 2.1),
+      Row("dpadam_xla", "DPAdam, jit_compile=True (XLA)",
+          _with(lambda b: tfdp_variants.DPAdam(**_dp(b)), jit_compile=True), 2.1),
       Row("piadam", "PIAdam (PIGDO)", _with(lambda b: make(adam, "pigdo")(**_dp(b))), 3),
       Row("layered", "LayeredClipAdam (ICGC-DP)",
           _with(lambda b: make(adam, "layered_clip")(total_steps=1000, **_dp(b))), 3),
