@@ -118,3 +118,61 @@ def test_empty_first_poisson_batch_is_a_noise_only_step():
   model.fit(data, epochs=1, verbose=0)
   assert int(optimizer.dp_steps.numpy()) == 2
   assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+
+
+def _label_fit_delta(labels, jit_compile, loss):
+  """One noiseless DPSGD fit step of a 3-class softmax model on 4 fixed inputs."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([tf.keras.Input((D,)), tf.keras.layers.Dense(3)])
+  model.compile(optimizer=tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=0.0,
+                                              learning_rate=LR, expected_batch_size=B),
+                loss=loss, jit_compile=jit_compile)
+  before = [v.numpy().copy() for v in model.trainable_variables]
+  x = np.eye(B, D, dtype=np.float32) + 0.5
+  model.fit(x[:len(labels)], np.array(labels, np.int64), batch_size=len(labels), epochs=1,
+            verbose=0, shuffle=False)
+  return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("label", [3, -1, 10**9])
+def test_label_out_of_range_contributes_zero(label, jit_compile):
+  """TF's CPU kernel raises on a label out of range and XLA returns NaN: both depend on one
+  example's value. Under a DP optimizer's fit the example contributes nothing: the update is the
+  one of its neighbour whose first label is replaced by one that contributes 0 (weight 0)."""
+  loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+  got = _label_fit_delta([label, 0, 1, 2], jit_compile, loss)
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([tf.keras.Input((D,)), tf.keras.layers.Dense(3)])
+  x = np.eye(B, D, dtype=np.float32) + 0.5
+  with tf.GradientTape() as tape:  # The reference: the three valid examples, clipped, over B.
+    logits = model(x[1:])
+    per_example = tf.keras.losses.sparse_categorical_crossentropy(tf.constant([0, 1, 2]), logits,
+                                                                  from_logits=True)
+  jac = tape.jacobian(per_example, model.trainable_variables)
+  norms = np.sqrt(sum(np.sum(np.reshape(j.numpy(), (3, -1)) ** 2, axis=1) for j in jac))
+  factor = np.minimum(1.0, C / norms)
+  for g, j in zip(got, jac):
+    want = -LR * np.tensordot(factor, j.numpy(), axes=1) / B
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
+
+
+def test_bounded_labels_in_a_custom_loop():
+  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+  logits = tf.constant([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+
+  @tf.function(jit_compile=False)
+  def losses(labels):
+    with tf.GradientTape() as tape:
+      tape.watch(logits)
+      with tfdp_variants.bounded_labels():
+        loss = loss_fn(labels, logits)
+    return loss, tape.gradient(loss, logits)
+
+  loss, grad = losses(tf.constant([2, 5, -3]))
+  want = -np.log(np.exp(3.0) / np.exp([1.0, 2.0, 3.0]).sum())
+  np.testing.assert_allclose(loss.numpy(), [want, 0.0, 0.0], rtol=1e-5)
+  np.testing.assert_array_equal(grad.numpy()[1:], 0.0)
+  with pytest.raises(tf.errors.InvalidArgumentError):  # Outside, TF's own kernel is unchanged.
+    loss_fn(tf.constant([5]), logits[:1])

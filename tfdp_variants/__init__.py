@@ -70,12 +70,14 @@ from tfdp_variants import algorithms
 from tfdp_variants import audit
 from tfdp_variants import callbacks
 from tfdp_variants import large_batch
+from tfdp_variants import losses
 from tfdp_variants import metrics
 from tfdp_variants import models
 from tfdp_variants import per_example
 from tfdp_variants import sanity
 from tfdp_variants import transforms
 from tfdp_variants import validation
+from tfdp_variants.losses import bounded_labels
 from tfdp_variants.optimizers import AdaptiveClipAdam
 from tfdp_variants.optimizers import AdaptiveClipSGD
 from tfdp_variants.optimizers import DPAdagrad

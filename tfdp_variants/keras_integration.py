@@ -58,6 +58,7 @@ from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
+from tfdp_variants import losses
 from tfdp_variants import per_example
 from tfdp_variants import replicas
 from tfdp_variants import sampling as sampling_lib
@@ -420,7 +421,8 @@ def _compute_loss(self, *args, **kwargs):
   # pylint: disable-next=protected-access
   compiled = self._compile_loss if KERAS_3 else self.compiled_loss
   try:
-    loss = compiled(y, y_pred, sample_weight)
+    with losses.bounded_labels():  # A label out of range contributes 0, never raises.
+      loss = compiled(y, y_pred, sample_weight)
   except ValueError as e:
     if len(outputs) < 2:
       raise

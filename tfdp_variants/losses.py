@@ -1,0 +1,57 @@
+"""Losses that raise on no label value: a label out of range contributes nothing.
+
+TensorFlow's sparse softmax cross entropy raises InvalidArgumentError on CPU for a label outside
+[0, classes) and returns NaN on GPU and under XLA. Either is an outcome that depends on one
+example's value, which differential privacy forbids (BUILD_NOTES, "The only output that depends on
+the data"). Inside `bounded_labels()`, TF's op (the one Keras 3, tf-keras and Keras 2.15 all call)
+gives such an example a loss of 0 with a zero gradient instead, so it contributes nothing to the
+step, as an example with a non-finite gradient does. Labels in range are unchanged.
+
+A DP optimizer's `fit` computes the compiled loss inside `bounded_labels()`. A custom loop wraps its
+loss the same way:
+
+>>> import tensorflow as tf, tfdp_variants
+>>> loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+>>> with tfdp_variants.bounded_labels():
+...   loss = loss_fn(tf.constant([1, 7]), tf.zeros([2, 3]))
+>>> [round(float(v), 4) for v in loss]
+[1.0986, 0.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Iterator
+
+import tensorflow as tf
+
+_TF_OP = tf.nn.sparse_softmax_cross_entropy_with_logits
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def bounded_labels() -> Iterator[None]:
+  """Within it (in this thread), sparse cross entropy gives a label out of range loss 0."""
+  _STATE.depth = getattr(_STATE, "depth", 0) + 1
+  try:
+    yield
+  finally:
+    _STATE.depth -= 1
+
+
+@functools.wraps(_TF_OP)
+def _sparse_softmax_cross_entropy_with_logits(labels=None, logits=None, name=None):
+  if not getattr(_STATE, "depth", 0):
+    return _TF_OP(labels=labels, logits=logits, name=name)
+  labels, logits = tf.convert_to_tensor(labels), tf.convert_to_tensor(logits)
+  valid = tf.logical_and(labels >= 0, labels < tf.cast(tf.shape(logits)[-1], labels.dtype))
+  loss = _TF_OP(labels=tf.where(valid, labels, tf.zeros_like(labels)), logits=logits, name=name)
+  return tf.where(valid, loss, tf.zeros_like(loss))
+
+
+_sparse_softmax_cross_entropy_with_logits.tfdp_wrapper = True
+for _module in (tf.nn, tf.compat.v2.nn):
+  if not getattr(_module.sparse_softmax_cross_entropy_with_logits, "tfdp_wrapper", False):
+    _module.sparse_softmax_cross_entropy_with_logits = _sparse_softmax_cross_entropy_with_logits
