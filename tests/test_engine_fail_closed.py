@@ -79,8 +79,9 @@ def test_fit_with_jit_compile():
 
 
 def test_self_check_under_jit_compile(monkeypatch):
-  """XLA drops assertions: a passing check trains exactly; a failed one turns the updates NaN
-  (nothing trains, nothing leaks) and `raise_if_self_check_failed` raises naming the fix."""
+  """XLA drops assertions. fit checks on a synthetic batch without XLA first, so a broken engine
+  is refused before any step; a custom loop compiled by XLA cannot raise: a failed check turns
+  the updates NaN (nothing trains, nothing leaks) and `raise_if_self_check_failed` raises."""
   x, y = _data()
   model = _model()
   model.compile(optimizer=_optimizer(), loss=_LOSS, jit_compile=True)
@@ -90,10 +91,44 @@ def test_self_check_under_jit_compile(monkeypatch):
   _break_the_bias_rule(monkeypatch)
   model, optimizer = _model(), _optimizer()
   model.compile(optimizer=optimizer, loss=_LOSS, jit_compile=True)
-  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  before = model.get_weights()
+  with pytest.raises(tf.errors.InvalidArgumentError, match="self-check failed"):
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  for w, b in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, b)
+  model, optimizer = _model(), _optimizer()
+  step = tf.function(lambda xb, yb: _minimize(optimizer, model, xb, yb), jit_compile=True)
+  step(tf.constant(x[:B]), tf.constant(y[:B]))
   assert not any(np.isfinite(w).any() for w in model.get_weights())
   with pytest.raises(RuntimeError, match="failed under XLA.*jit_compile=False"):
     optimizer.raise_if_self_check_failed()
+
+
+class _OwnStep(tf.keras.Sequential):
+  """A model with its own `train_step` (Keras' own body): fit cannot reproduce its step."""
+
+  def train_step(self, *args, **kwargs):  # pylint: disable=useless-parent-delegation
+    return super().train_step(*args, **kwargs)
+
+
+@pytest.mark.parametrize("data", ["arrays", "dataset", "own_train_step"])
+def test_fit_self_checks_a_synthetic_batch_not_the_data(data):
+  """The self-check's outcome must not depend on the training data (an error on one dataset and
+  not its neighbour leaks): fit runs it on a synthetic batch of the data's structure before any
+  step, and its steps carry no check. Where fit cannot reproduce the step (a custom train_step),
+  the in-step check stays on the first batch."""
+  x, y = _data()
+  model = _model()
+  if data == "own_train_step":
+    model = _OwnStep(model.layers, name="own_step")
+  optimizer = _optimizer()
+  model.compile(optimizer=optimizer, loss=_LOSS)
+  if data == "dataset":
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B), verbose=0)
+  else:
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  _assert_trained_exactly(model, x, y)
+  assert bool(optimizer._self_check_flags.items) == (data == "own_train_step")
 
 
 def _minimize(optimizer, model, x, y):
@@ -277,7 +312,7 @@ def _break_the_bias_rule(monkeypatch) -> None:
   def wrong(use, grad, m, var):
     f = factor(use, grad, m, var)
     if f.rule == "rowsum":
-      f.d = tf.concat([f.d[:1] * 2.0, f.d[1:]], 0)
+      f.g = tf.concat([f.g[:1] * 2.0, f.g[1:]], 0)
     return f
 
   monkeypatch.setattr(engine, "_factor", wrong)

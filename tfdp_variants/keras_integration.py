@@ -60,6 +60,7 @@ import tensorflow as tf
 
 from tfdp_variants import losses
 from tfdp_variants import per_example
+from tfdp_variants import preflight
 from tfdp_variants import replicas
 from tfdp_variants import sampling as sampling_lib
 from tfdp_variants import validation
@@ -601,6 +602,7 @@ class FitInputs:
     self.batch_size = batch_size
     self.validation_split = validation_split
     self.registered = None
+    self.prechecked = False  # Whether `preflight.run` passed: the steps skip the in-step check.
 
 
 _FIT_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FitInputs.
@@ -616,9 +618,12 @@ def _fit_recording(self, args: tuple, kwargs: dict):
   the optimizer's ledger segment, so that later steps without a privacy callback are not
   accounted under this fit's sampling (`tfdp_variants.sampling.close_segment`)."""
   arguments = inspect.signature(_keras_fit).bind(self, *args, **kwargs).arguments
-  _FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
-                                arguments.get("validation_split", 0.0))
+  inputs = _FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
+                                         arguments.get("validation_split", 0.0))
   try:
+    inputs.prechecked = preflight.run(self, unwrap(self.optimizer), arguments.get("x"),
+                                      arguments.get("y"), arguments.get("sample_weight"),
+                                      arguments.get("batch_size"))
     return _keras_fit(self, *args, **kwargs)
   finally:
     del _FIT_INPUTS[self]

@@ -316,9 +316,11 @@ class DPOptimizerMixin:
         self.build(var_list)
     wrapper = keras_integration.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
+    inputs = keras_integration.fit_inputs(model) if model is not None else None
+    checked = inputs is not None and inputs.prechecked  # On a synthetic batch (`preflight`).
     grads = per_example.compute(loss, tf_vars,
                                 replicas.local_count(self.num_microbatches, type(self).__name__),
-                                tape, self.self_check)
+                                tape, self.self_check and not checked)
     self.per_example_rules = tuple(grads.rules)
     if grads.self_check_flag is not None:
       self._self_check_flags.items.append(grads.self_check_flag)

@@ -1,0 +1,110 @@
+"""The engine's self-check on a synthetic batch, before `fit` reads any training example.
+
+The self-check (`per_example.self_check`) compares the engine's per-example gradients with exact
+ones. Run on the first training batch, its outcome (pass, or an error) would depend on that
+batch's values: float32 rounding in a crafted example could fail it for one dataset and not its
+neighbour, and the error would reveal which (BUILD_NOTES, "The only output that depends on the
+data"). So `fit` of a DP model runs it first on a batch of the same structure whose values come
+from no example: floats standard normal, integers 0 (a valid id and label for every layer and
+loss), booleans True. It computes what Keras' `train_step` computes (the model in training mode,
+then the compiled per-example loss) through the same engine, and raises on a mismatch or on mixing
+as the in-step check would. Once a model passed for an input structure, the steps of its fits skip
+the in-step check.
+
+Where the step cannot be reproduced (a custom `train_step`, a distribution strategy, a generator
+or PyDataset input, strings) the in-step check stays, on the first batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp_variants import per_example
+
+# model -> the input structures (shapes, dtypes) it passed for.
+_PASSED: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+_OURS = ("self-check failed", "examples are mixed by the model")  # The check's own errors.
+
+
+def _specs(data: Any, batch_size: Optional[int]) -> Optional[tuple]:
+  """(x, y, sample_weight) TensorSpecs of one batch of fit's `data`, or None where unknown."""
+  if isinstance(data, tf.data.Dataset):
+    spec = data.element_spec
+    if not isinstance(spec, tuple):
+      spec = (spec,)
+  elif isinstance(data, tuple) and all(isinstance(a, (np.ndarray, tf.Tensor))
+                                       for a in tf.nest.flatten(data) if a is not None):
+    spec = tf.nest.map_structure(
+        lambda a: None if a is None else tf.TensorSpec(
+            (min(batch_size or 32, len(a)),) + tuple(np.shape(a))[1:], tf.as_dtype(np.asarray(a).dtype)
+            if not isinstance(a, tf.Tensor) else a.dtype), data)
+  else:
+    return None
+  leaves = [s for s in tf.nest.flatten(spec) if s is not None]
+  ok = all(isinstance(s, tf.TensorSpec) and s.shape.rank and (
+      s.dtype.is_floating or s.dtype.is_integer or s.dtype == tf.bool) for s in leaves)
+  return tuple(spec) + (None,) * (3 - len(spec)) if ok and 1 <= len(spec) <= 3 else None
+
+
+def _synthetic(spec: Optional[tf.TensorSpec], batch: int) -> Optional[tf.Tensor]:
+  if spec is None:
+    return None
+  shape = [batch] + [1 if d is None else d for d in spec.shape[1:]]
+  if spec.dtype.is_floating:
+    return tf.cast(tf.random.normal(shape), spec.dtype)
+  if spec.dtype == tf.bool:
+    return tf.ones(shape, tf.bool)
+  return tf.zeros(shape, spec.dtype)
+
+
+def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: Any = None,
+        batch_size: Optional[int] = None) -> bool:
+  """Runs the self-check of `model` and `optimizer` on a synthetic batch shaped like fit's data.
+
+  Returns whether it passed (the steps of this fit then skip the in-step check); False where the
+  step cannot be reproduced (see the module doc) or the synthetic batch does not fit the model (the
+  in-step check then runs). Raises what the in-step check would raise (InvalidArgumentError on a
+  mismatch or on mixing), before any step.
+  """
+  if (tf.distribute.has_strategy() or type(model).train_step is not _KERAS_TRAIN_STEP or
+      not getattr(optimizer, "self_check", False) or not model.built):
+    return False
+  specs = _specs(x if isinstance(x, tf.data.Dataset) else (x, y, sample_weight), batch_size)
+  if specs is None:
+    return False
+  static = {s.shape[0] for s in tf.nest.flatten(specs) if s is not None} - {None}
+  microbatches = getattr(optimizer, "num_microbatches", None) or 1
+  batch = static.pop() if len(static) == 1 else 2 * microbatches
+  if batch % microbatches or batch < 1:
+    return False  # fit refuses this batch size itself.
+  key = repr([(s.shape[1:], s.dtype) for s in tf.nest.flatten(specs) if s is not None])
+  if key in _PASSED.get(model, ()):
+    return True
+  xs, ys, ws = (None if s is None else tf.nest.map_structure(lambda t: _synthetic(t, batch), s)
+                for s in specs)
+
+  @tf.function(autograph=False)
+  def check(xs, ys, ws):
+    loss = model.compute_loss(x=xs, y=ys, y_pred=model(xs, training=True), sample_weight=ws)
+    grads = per_example.compute(loss, model.trainable_variables,
+                                getattr(optimizer, "num_microbatches", None), self_check=True)
+    return tf.add_n([tf.reduce_sum(n) for n in grads.squared_norms()])  # Waits for the check.
+
+  if model.trainable_variables:
+    try:
+      check(xs, ys, ws)
+    except tf.errors.InvalidArgumentError as e:
+      if any(text in e.message for text in _OURS):
+        raise
+      return False
+    except Exception:  # pylint: disable=broad-except
+      return False  # The real step raises whatever is structural, with the in-step check on.
+  _PASSED.setdefault(model, set()).add(key)
+  return True
+
+
+_KERAS_TRAIN_STEP = tf.keras.Model.train_step
