@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tfdp_variants  # pylint: disable=g-bad-import-order
-from tfdp_variants import replicas  # pylint: disable=g-bad-import-order
+from tfdp_variants import local_cluster  # pylint: disable=g-bad-import-order
 
 # step_time.py defines its own flags on import (--models, --batch_size, --steps, --model, ...):
 # these names differ from them.
@@ -100,7 +100,7 @@ def train_step(strategy: tf.distribute.Strategy, model: tf.keras.Model, optimize
   """One training step on this worker's part of the global batch; returns once it is done.
 
   A custom loop (`strategy.run`), the step without Keras 3's fit machinery, which fails under
-  MultiWorkerMirroredStrategy unless `tfdp_variants.keras_integration` works around it. The DP
+  MultiWorkerMirroredStrategy unless `tfdp_variants.stack.keras3` works around it. The DP
   optimizer gets the per-example losses and the tape (`minimize`); the non-private one the loss
   summed over the worker's examples over the global batch. Either's apply_gradients sums the
   replicas' gradients.
@@ -134,7 +134,7 @@ def launch(num_workers: int, row: str) -> dict:
              f"--intra_op_threads={_THREADS.value}"]
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
   env.pop("TF_CONFIG", None)
-  configs = replicas.localhost_tf_configs(num_workers)
+  configs = local_cluster.localhost_tf_configs(num_workers)
   processes = []
   for index in range(num_workers):
     if num_workers > 1:

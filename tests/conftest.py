@@ -4,10 +4,16 @@ The default stack (TF 2.21 + Keras 3) runs every test. The tf-keras and TF 2.15 
 the files that exercise how the optimizers, the engine and the callbacks meet Keras, where the stacks
 differ; the algorithms' arithmetic, the accountants and the tutorials do not depend on the Keras
 version and run once. The TF 2.15 leg adds `-m tf_privacy`, the parity tests against TF Privacy.
+
+The tests' one switch on the Keras version is here: `@pytest.mark.keras3_only` and
+`@pytest.mark.keras2_only` skip a test on the other stacks, and `per_stack(keras3=..., keras2=...)`
+picks a value where the stacks word or do one thing differently.
 """
 
 import pytest
 import tensorflow as tf
+
+from tfdp_variants import stack
 
 # Two logical CPU devices, so that MirroredStrategy has two replicas without a GPU
 # (test_distributed.py); set before TensorFlow initializes its devices.
@@ -23,9 +29,21 @@ _STACK_FILES = frozenset({
 _TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
 
 
+def per_stack(keras3, keras2):
+  """`keras3` on the default stack, `keras2` on tf-keras and TF 2.15."""
+  return keras3 if stack.KERAS_3 else keras2
+
+
+_SKIP_OTHER_STACK = {"keras3_only": (not stack.KERAS_3, "a path of Keras 3 alone"),
+                     "keras2_only": (stack.KERAS_3, "a path of Keras 2 alone")}
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
+    for mark, (skip, reason) in _SKIP_OTHER_STACK.items():
+      if skip and item.get_closest_marker(mark):
+        item.add_marker(pytest.mark.skip(reason=reason))
     name = item.path.name
     if name in _STACK_FILES:
       item.add_marker(pytest.mark.stack)

@@ -265,17 +265,6 @@ def test_module_docstring_example_runs():
   assert doctest.testmod(accounting).failed == 0
 
 
-def test_per_layer_noise_multiplier_equals_composed_gaussians():
-  """K layers, each with sensitivity C_k and noise σC_k, are K Gaussians of multiplier σ."""
-  sigma, k, delta = 1.3, 4, 1e-5
-  composed = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma)] * k)
-  want = dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(composed).get_epsilon(
-      delta)
-  got = accounting.epsilon(accounting.per_layer_noise_multiplier(sigma, k), 1.0, 1, delta)
-  assert got == pytest.approx(want, rel=1e-9)
-  assert got > accounting.epsilon(sigma, 1.0, 1, delta)  # Not the flat σ.
-
-
 def test_noise_multiplier_for_another_step_event():
   """Calibrating a step with an extra query (σ_n = 2σ, composed) against dp_accounting."""
   q, steps, delta, target = 0.02, 500, 1e-5, 2.0

@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 
 import tfdp_variants
-from tfdp_variants import keras_integration
+from tfdp_variants import stack
 
-keras = keras_integration.keras
+keras = stack.keras
 
 
 def _bases() -> list[type]:
   found = []
   for name, cls in vars(keras.optimizers).items():
-    if (inspect.isclass(cls) and issubclass(cls, keras_integration.OPTIMIZER_BASES)
-        and cls not in keras_integration.OPTIMIZER_BASES
-        and not issubclass(cls, keras_integration.LossScaleOptimizer) and not name.startswith("_")):
+    if (inspect.isclass(cls) and issubclass(cls, stack.OPTIMIZER_BASES)
+        and cls not in stack.OPTIMIZER_BASES
+        and not issubclass(cls, stack.LossScaleOptimizer) and not name.startswith("_")):
       found.append(cls)
   return sorted(set(found), key=lambda c: c.__name__)
 

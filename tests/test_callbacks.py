@@ -15,7 +15,7 @@ import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data as tfdp_data
-from tfdp_variants import keras_integration
+from tfdp_variants import stack
 from tfdp_variants import metrics
 
 L = tf.keras.layers
@@ -273,7 +273,7 @@ def test_layer_norm_logger(num_microbatches, tmp_path):
   want = float(np.mean(flat > clip))
   assert 0 < want < 1
   assert history["clip_fraction"] == [want] == [cb.clip_fraction]  # Epoch 2 only.
-  tags = ["grad_norm/" + keras_integration.variable_name(v) for v in model.trainable_variables]
+  tags = ["grad_norm/" + stack.variable_name(v) for v in model.trainable_variables]
   for tag, norm in zip(tags, norms):
     np.testing.assert_allclose(cb.norms[tag], norm, rtol=1e-4)
   np.testing.assert_allclose(cb.norms["grad_norm/global"], flat, rtol=1e-4)

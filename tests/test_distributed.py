@@ -1,4 +1,4 @@
-"""DP training under tf.distribute (SPEC §7, `tfdp_variants.replicas`), without a GPU.
+"""DP training under tf.distribute (`tfdp_variants.replicas`), without a GPU.
 
 MirroredStrategy runs over the two logical CPU devices `conftest.py` makes; MultiWorkerMirrored-
 Strategy over two worker processes on 127.0.0.1. The update is checked against DP-SGD computed by
@@ -18,7 +18,10 @@ import tensorflow as tf
 
 import tfdp_variants
 from tfdp_variants import callbacks
-from tfdp_variants import keras_integration
+from conftest import per_stack
+from tfdp_variants import stack
+from tfdp_variants import per_example
+from tfdp_variants import local_cluster
 from tfdp_variants import replicas
 
 pytestmark = pytest.mark.skipif(len(tf.config.list_logical_devices("CPU")) < 2,
@@ -108,7 +111,7 @@ def _assert_weights(actual, expected, rtol=1e-4, atol=1e-6):
 
 def _components(variable) -> list[np.ndarray]:
   """A mirrored variable's value on each replica."""
-  variable = keras_integration.tf_variable(variable)
+  variable = per_example.as_tf_variable(variable)
   return [v.numpy() for v in variable.values]
 
 
@@ -120,8 +123,9 @@ def test_mirrored_update_is_dpsgd_on_the_global_batch(num_microbatches):
   expected = _hand_dpsgd(_initial_weights(), x, y, 8, 2, num_microbatches)
   _assert_weights(model.get_weights(), expected)
   assert int(model.optimizer.dp_steps.numpy()) == 4  # Global steps, not one per replica.
-  if keras_integration.KERAS_3:  # Keras 2 reads a distributed dataset in a cond: exact fallback.
-    assert model.optimizer.per_example_rules == ("outer", "rowsum") * 2  # The fast path.
+  # Keras 2 reads a distributed dataset in a cond: the exact fallback there.
+  assert model.optimizer.per_example_rules == per_stack(keras3=("outer", "rowsum") * 2,
+                                                        keras2=("fallback",) * 4)
 
 
 def test_mirrored_poisson_batch_is_divided_by_the_global_expected_size():
@@ -178,7 +182,7 @@ def test_mirrored_algorithm_equals_its_single_device_run(name):
   _assert_weights(mirrored.get_weights(), single.get_weights(), rtol=1e-5)
   for m, s in zip(mirrored.optimizer.variables, single.optimizer.variables):
     np.testing.assert_allclose(np.asarray(m), np.asarray(s), rtol=1e-5, atol=1e-7,
-                               err_msg=keras_integration.variable_name(m))
+                               err_msg=stack.variable_name(m))
 
 
 def _private_step_shares(sigma: float, x, y, strategy):
@@ -228,7 +232,7 @@ def test_mirrored_noisy_state_is_identical_on_every_replica():
     for variable in [*model.trainable_variables, *model.optimizer.variables]:
       first, second = _components(variable)
       np.testing.assert_array_equal(first, second,
-                                    err_msg=keras_integration.variable_name(variable))
+                                    err_msg=stack.variable_name(variable))
 
 
 def test_mirrored_accounting_is_that_of_the_global_batch():
@@ -262,7 +266,7 @@ def test_unsupported_strategy_is_refused():
     strategy.run(step)
 
 
-@pytest.mark.skipif(keras_integration.KERAS_3, reason="Keras 3's apply always all-reduces")
+@pytest.mark.keras2_only  # Keras 3's apply always all-reduces.
 def test_apply_without_aggregation_is_refused():
   strategy = _mirrored()
   x, y = _data(8)
@@ -320,7 +324,7 @@ def test_two_workers_apply_the_same_update_as_dpsgd_on_the_global_batch(tmp_path
   inputs = tmp_path / "inputs.npz"
   np.savez(inputs, x=x, y=y, l2_norm_clip=C, learning_rate=LR, batch_size=8, epochs=2,
            noise_multiplier=1.0, **{f"w{i}": w for i, w in enumerate(weights)})
-  configs = replicas.localhost_tf_configs(2)
+  configs = local_cluster.localhost_tf_configs(2)
   script = pathlib.Path(__file__).with_name("multi_worker_dp.py")
   processes = []
   for index in range(2):

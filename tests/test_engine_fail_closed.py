@@ -1,4 +1,4 @@
-"""The engine fails closed: every way of running a step trains exactly, or is refused (SPEC §6).
+"""The engine fails closed: every way of running a step trains exactly, or is refused.
 
 Each setting trains a few noiseless DP-SGD steps; the weights must equal a reference built from
 single-example `tf.GradientTape` gradients (clip each to C, sum, divide by B, SGD step).
@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 
 L = tf.keras.layers
@@ -210,7 +209,7 @@ def test_variable_read_outside_the_loss_graph_is_refused():
   @tf.function
   def run():
     # Read in the outer graph; the loop body sees only its value.
-    w = keras_integration.tf_variable(kernel).read_value()
+    w = per_example.as_tf_variable(kernel).read_value()
     for _ in tf.range(1):
       with tf.GradientTape() as tape:
         loss = _mse(y[:B], tf.matmul(model.layers[0](x[:B]), w) + bias)

@@ -1,4 +1,4 @@
-"""Every way Keras runs a step trains exactly or is refused naming the fix (SPEC §6; issue 7).
+"""Every way Keras runs a step trains exactly or is refused naming the fix (issue 7).
 
 "Exactly" means: the weights equal a reference built from single-example tf.GradientTape gradients
 (clip each to C, sum, divide by B, the base optimizer's update).
@@ -13,14 +13,12 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import keras_integration
+from conftest import per_stack
+from tfdp_variants import per_example
+from tfdp_variants import stack
 
-KERAS_3 = keras_integration.KERAS_3
 L = tf.keras.layers
 B, CLIP, LR = 8, 0.3, 0.5
-keras_2_only = pytest.mark.skipif(KERAS_3, reason="Keras 3 mixed precision is refused (see "
-                                  "test_keras_3_loss_scaling_is_refused)")
-keras_3_only = pytest.mark.skipif(not KERAS_3, reason="a path of Keras 3's optimizer API")
 
 
 def _loss():
@@ -43,7 +41,7 @@ def _reference_step(model, x, y, regularizer=None):
 
   `regularizer()` returns a data-independent loss whose gradient joins the mean clipped one.
   """
-  variables = [keras_integration.tf_variable(v) for v in model.trainable_variables]
+  variables = [per_example.as_tf_variable(v) for v in model.trainable_variables]
   total = [tf.zeros_like(v) for v in variables]
   for i in range(len(x)):
     with tf.GradientTape() as tape:
@@ -74,7 +72,7 @@ def _assert_weights(got, want, rtol=1e-4, atol=1e-6):
 
 def _refuses_raw_gradients(keras_3_reason: str = ""):
   """pytest.raises for gradients a DP optimizer did not privatize, as each stack words it."""
-  reason = f".*{keras_3_reason}" if KERAS_3 else ""
+  reason = per_stack(keras3=f".*{keras_3_reason}", keras2="")
   return pytest.raises(RuntimeError, match="did not privatize.*train without privacy" + reason)
 
 
@@ -164,7 +162,7 @@ def test_loss_reduced_over_the_batch_is_refused():
     _fit_one_step(_model(), x, y, loss=scalar)
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_apply_refuses_raw_gradients(mode):
   x, y = _data()
@@ -204,9 +202,9 @@ def test_weight_regularizers_are_added_after_privatization():
   model, reference = model_with(_PenalizedDense), model_with(L.Dense)
   first, last = reference.layers
   terms = [lambda: 0.2 * tf.reduce_sum(tf.abs(last.bias))]
-  if not KERAS_3:  # Keras 2's model-level callable loss (Keras 3 adds losses only in call).
-    model.add_loss(lambda: 0.1 * tf.reduce_sum(model.layers[0].kernel ** 2))
-    terms.append(lambda: 0.1 * tf.reduce_sum(first.kernel ** 2))
+  if per_stack(keras3=False, keras2=True):  # Keras 2's model-level callable loss (Keras 3
+    model.add_loss(lambda: 0.1 * tf.reduce_sum(model.layers[0].kernel ** 2))  # adds losses
+    terms.append(lambda: 0.1 * tf.reduce_sum(first.kernel ** 2))  # only in call).
   want = _reference_step(reference, x, y,
                          lambda: tf.add_n(reference.losses + [term() for term in terms]))
   _assert_weights(_fit_one_step(model, x, y).get_weights(), want)
@@ -247,7 +245,7 @@ def mixed_float16():
   tf.keras.mixed_precision.set_global_policy("float32")
 
 
-@keras_2_only
+@pytest.mark.keras2_only
 @pytest.mark.parametrize("base", ["SGD", "legacy.SGD"])
 def test_mixed_precision_clips_the_unscaled_gradients(mixed_float16, base):
   x, y = _data()
@@ -267,7 +265,7 @@ def test_mixed_precision_clips_the_unscaled_gradients(mixed_float16, base):
   assert update > 0.1 * LR * CLIP
 
 
-@keras_2_only
+@pytest.mark.keras2_only
 @pytest.mark.parametrize("cls,learning_rate", [(tfdp_variants.DPSGD, 0.2),
                                                (tfdp_variants.DPAdam, 0.01)])
 def test_mixed_precision_trains(mixed_float16, cls, learning_rate):
@@ -282,7 +280,7 @@ def test_mixed_precision_trains(mixed_float16, cls, learning_rate):
   assert logger.epsilon_nominal > 0
 
 
-@keras_2_only
+@pytest.mark.keras2_only
 def test_mixed_precision_skips_an_overflowing_step(mixed_float16):
   x, y = _data()
   model = _model()
@@ -295,7 +293,7 @@ def test_mixed_precision_skips_an_overflowing_step(mixed_float16):
   assert float(optimizer.loss_scale) == 2.0 ** 59 and int(optimizer.iterations) == 1
 
 
-@keras_2_only
+@pytest.mark.keras2_only
 def test_mixed_precision_refuses_raw_gradients(mixed_float16):
   x, y = _data()
   model = _fit_one_step(_model(), x, y, run_eagerly=True)
@@ -303,7 +301,7 @@ def test_mixed_precision_refuses_raw_gradients(mixed_float16):
     model.optimizer.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 @pytest.mark.parametrize("wrapped", ["by_policy", "by_hand"])
 def test_keras_3_loss_scaling_is_refused_in_fit(request, wrapped):
   """Keras 3's LossScaleOptimizer never passes the loss on: refused, never a non-private step."""
@@ -311,23 +309,23 @@ def test_keras_3_loss_scaling_is_refused_in_fit(request, wrapped):
   if wrapped == "by_policy":
     request.getfixturevalue("mixed_float16")  # compile wraps the optimizer.
   else:
-    optimizer = keras_integration.LossScaleOptimizer(optimizer)
+    optimizer = stack.LossScaleOptimizer(optimizer)
   x, y = _data()
   model = _model()
   before = model.get_weights()
   with _refuses_raw_gradients("Keras 3's LossScaleOptimizer .*float32"):
     _fit_one_step(model, x, y, optimizer)
-  assert isinstance(model.optimizer, keras_integration.LossScaleOptimizer)
+  assert isinstance(model.optimizer, stack.LossScaleOptimizer)
   _assert_weights(model.get_weights(), before, rtol=0, atol=0)
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_keras_3_loss_scaling_is_refused_in_a_custom_loop(mode):
   """The custom loop Keras 3 documents for a LossScaleOptimizer, around a DP optimizer."""
   x, y = _data()
   model = _model()
-  optimizer = keras_integration.LossScaleOptimizer(
+  optimizer = stack.LossScaleOptimizer(
       tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR))
   before = model.get_weights()
 
@@ -367,19 +365,34 @@ def test_non_numbers_are_refused(value):
     tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=value)
 
 
-def test_model_without_trainable_variables_is_refused():
-  x, y = _data()
+def _frozen_model():
   model = _model()
   for layer in model.layers:
     layer.trainable = False
+  return model
+
+
+@pytest.mark.keras3_only
+def test_fit_of_a_model_without_trainable_variables_trains_nothing():
+  """Keras 3's fit never calls the optimizer then: it warns and trains nothing."""
+  x, y = _data()
+  model = _frozen_model()
   before = model.get_weights()
-  if KERAS_3:  # Keras 3's fit never calls the optimizer then: it warns and trains nothing.
-    with pytest.warns(UserWarning, match="does not have any trainable weights"):
-      _fit_one_step(model, x, y)
-    _assert_weights(model.get_weights(), before, rtol=0, atol=0)
-  else:
-    with pytest.raises(ValueError, match="no trainable variables"):
-      _fit_one_step(model, x, y)
+  with pytest.warns(UserWarning, match="does not have any trainable weights"):
+    _fit_one_step(model, x, y)
+  _assert_weights(model.get_weights(), before, rtol=0, atol=0)
+
+
+@pytest.mark.keras2_only
+def test_fit_of_a_model_without_trainable_variables_is_refused():
+  x, y = _data()
+  with pytest.raises(ValueError, match="no trainable variables"):
+    _fit_one_step(_frozen_model(), x, y)
+
+
+def test_model_without_trainable_variables_is_refused():
+  x, y = _data()
+  model = _frozen_model()
   with tf.GradientTape() as tape:
     loss = _loss()(y, model(x, training=True))
   with pytest.raises(ValueError, match="no trainable variables"):

@@ -14,11 +14,9 @@ import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
-from tfdp_variants import keras_integration
+from tfdp_variants import stack
 
-KERAS_3 = keras_integration.KERAS_3
-keras = keras_integration.keras
-keras_3_only = pytest.mark.skipif(not KERAS_3, reason="a path of Keras 3's optimizer API")
+keras = stack.keras
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -90,7 +88,7 @@ def test_loss_scale_factor_set_later_is_refused():
 # 3. A custom train_step: the gradients must be those of the loss given to scale_loss.
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 @pytest.mark.parametrize("term", [False, True])
 def test_term_added_after_scale_loss_is_refused(term):
 
@@ -125,7 +123,7 @@ def test_term_added_after_scale_loss_is_refused(term):
 # 4. Clear messages.
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 def test_another_keras_backend_is_refused_on_import():
   proc = _fresh(["-c", "import tfdp_variants"], KERAS_BACKEND="jax")
   assert proc.returncode != 0
@@ -133,7 +131,7 @@ def test_another_keras_backend_is_refused_on_import():
   assert "KERAS_BACKEND=tensorflow" in proc.stderr
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 def test_run_eagerly_names_the_fix():
   x, y = _data()
   model = _model()
@@ -143,7 +141,7 @@ def test_run_eagerly_names_the_fix():
     model.fit(x, y, batch_size=8, verbose=0)
 
 
-@keras_3_only
+@pytest.mark.keras3_only
 def test_loss_scale_optimizer_in_a_custom_loop_names_mixed_precision():
   x, y = _data()
   model = _model()

@@ -1,4 +1,4 @@
-"""Mixing examples in the forward pass is refused at trace time, on structure (SPEC §6).
+"""Mixing examples in the forward pass is refused at trace time, on structure.
 
 Whether or not gradients flow through the mixing: a batch statistic behind `tf.stop_gradient`, after
 a zero-initialized layer, on integer ids, written to a variable in `call`, a weight perturbation
@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import keras_integration
 
 L = tf.keras.layers
 B = 4
@@ -138,12 +137,7 @@ class _SharpnessAware(tf.keras.Model):
       v.assign_add(0.05 * g / norm)
     with tf.GradientTape() as tape:
       loss = _LOSS(y, self(x, training=True))
-      if keras_integration.KERAS_3:
-        loss = self.optimizer.scale_loss(loss)
-    if keras_integration.KERAS_3:
-      self.optimizer.apply(tape.gradient(loss, variables), variables)
-    else:
-      self.optimizer.minimize(loss, variables, tape=tape)
+    self.optimizer.minimize(loss, variables, tape=tape)
     return {}
 
 

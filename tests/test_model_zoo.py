@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import engine_helpers
 import tfdp_variants
-from tfdp_variants.keras_integration import KERAS_3
+from conftest import per_stack
 
 L = tf.keras.layers
 B = 4
@@ -199,7 +199,7 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     # Keras 2 builds the mask with `mask[:, :, None]` (a StridedSlice with new_axis_mask), which
     # the batch-axis analysis does not follow yet: there the layers after the softmax fall back.
     "attention_padding_mask": (_padding_mask_attention, _ints(B, 5, high=4),
-                               ["gather", *DENSE * 5] if KERAS_3 else None),
+                               per_stack(keras3=["gather", *DENSE * 5], keras2=None)),
 }
 if hasattr(L, "RMSNormalization"):  # Keras 3 only.
   ZOO["rms_norm"] = (lambda: _seq((5, 4), L.RMSNormalization(), L.Flatten(), L.Dense(2)),

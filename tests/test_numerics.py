@@ -1,4 +1,4 @@
-"""Numerics are part of the guarantee (SPEC §6): every example's contribution is bounded by C for
+"""Numerics are part of the guarantee: every example's contribution is bounded by C for
 any values of its data, finite or not, with XLA or without, and no error or NaN depends on them."""
 
 import numpy as np

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import keras_integration
+from conftest import per_stack
 
 L = tf.keras.layers
 B = 8
@@ -111,7 +111,7 @@ def test_guarantee_and_factory():
     tfdp_variants.make_dp_optimizer_class(dict)
 
 
-@pytest.mark.skipif(keras_integration.KERAS_3, reason="Keras 3 has no legacy optimizers.")
+@pytest.mark.keras2_only  # Keras 3 has no legacy optimizers.
 def test_legacy_optimizer_step_equals_dpsgd():
   legacy = tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.legacy.SGD)
   x, y = _data()
@@ -129,7 +129,7 @@ def test_config_round_trip_and_model_save(tmp_path):
   x, y = _data()
   model = _one_step(opt, x, y)
   # Keras 3 saves to .keras and .h5 only (model.export writes a SavedModel without the optimizer).
-  formats = ["model.keras"] + ([] if keras_integration.KERAS_3 else ["saved_model"])
+  formats = ["model.keras"] + per_stack(keras3=[], keras2=["saved_model"])
   for path in [str(tmp_path / name) for name in formats]:
     model.save(path)
     loaded = tf.keras.models.load_model(path)
@@ -188,7 +188,7 @@ def test_indivisible_batch_is_refused():
 
 
 def test_non_finite_example_contributes_zero():
-  """An example whose gradient is NaN moves nothing (SPEC §6: no error or NaN that depends on the
+  """An example whose gradient is NaN moves nothing (no error or NaN that depends on the
   data): the step equals the one on the batch without it, over the same expected batch size."""
   x, y = _data()
   x[0, 0, 0, 0] = np.nan

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import engine_helpers
 import tfdp_variants
-from tfdp_variants import keras_integration
+from conftest import per_stack
 
 L = tf.keras.layers
 B = 4
@@ -83,8 +83,8 @@ class _TimeMajorLSTM(L.Layer):
 def _lstm_time_major():
   x = L.Input((3, 4))
   h = L.Lambda(lambda t: tf.transpose(t, [1, 0, 2]))(x)
-  lstm = (_TimeMajorLSTM(3) if keras_integration.KERAS_3 else
-          L.LSTM(3, time_major=True, unroll=True))
+  lstm = per_stack(keras3=_TimeMajorLSTM, keras2=lambda units: L.LSTM(
+      units, time_major=True, unroll=True))(3)
   return tf.keras.Model(x, L.Dense(2)(lstm(h)))
 
 

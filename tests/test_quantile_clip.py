@@ -1,4 +1,4 @@
-"""Quantile adaptive clipping (SPEC §3.2): one step against NumPy, noise, accounting, Keras (TF
+"""Quantile adaptive clipping: one step against NumPy, noise, accounting, Keras (TF
 Privacy parity: in test_tf_privacy_parity.py)."""
 
 import dp_accounting

@@ -8,7 +8,7 @@ import tensorflow as tf
 import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import data
-from tfdp_variants import keras_integration
+from tfdp_variants import stack
 from tfdp_variants import large_batch
 from tfdp_variants import noise
 from tfdp_variants import sanity
@@ -135,8 +135,7 @@ def test_step_event_is_the_composition_of_the_per_layer_gaussians():
 
 @pytest.mark.parametrize("base", [
     tf.keras.optimizers.Adam,
-    pytest.param(tf.keras.optimizers.legacy.SGD, marks=pytest.mark.skipif(
-        keras_integration.KERAS_3, reason="Keras 3 has no legacy optimizers.")),
+    pytest.param(tf.keras.optimizers.legacy.SGD, marks=pytest.mark.keras2_only),
 ])
 def test_fit_config_and_saved_bounds(base, tmp_path):
   cls = tfdp_variants.make_dp_optimizer_class(base, "adaptive_clip")
@@ -154,7 +153,7 @@ def test_fit_config_and_saved_bounds(base, tmp_path):
   assert not np.allclose(model.get_weights()[0], _model().get_weights()[0])
   bounds = opt.algorithm.l2_norm_clips.numpy()
   assert bounds.shape == (4,) and not np.allclose(bounds, 0.5)
-  if keras_integration.is_legacy(base):
+  if stack.is_legacy(base):
     return  # Keras 2.15's .keras format saves no state of legacy optimizers.
   path = str(tmp_path / "model.keras")
   model.save(path)

@@ -17,7 +17,7 @@ import test_audit
 import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import data
-from tfdp_variants import replicas
+from tfdp_variants import local_cluster
 from tfdp_variants import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def test_strategy_poisson_per_replica_partitions_the_training_set():
       [d.name for d in tf.config.list_logical_devices("CPU")[:2]])
   ids = np.arange(101, dtype=np.int32)
   for q in (1.0, 0.3):
-    dataset = train.poisson_per_replica(strategy, ids[:, None].astype(np.float32), ids, q, steps=2)
+    dataset = data.poisson_per_replica(strategy, ids[:, None].astype(np.float32), ids, q, steps=2)
     for step, (_, y) in zip(range(5), dataset):  # Endless: it restarts with fresh masks.
       parts = [part.numpy() for part in strategy.experimental_local_results(y)]
       assert len(parts) == 2
@@ -249,7 +249,7 @@ def test_mirrored_strategy_binary_on_two_cpus(tmp_path):
 
 def test_multi_worker_strategy_binary_in_two_processes(tmp_path):
   """Two workers on localhost; only the chief (worker 0) writes to --logdir."""
-  configs = replicas.localhost_tf_configs(2)
+  configs = local_cluster.localhost_tf_configs(2)
   logdir, scratch = tmp_path / "logs", tmp_path / "worker1_tmp"
   scratch.mkdir()
   workers = []

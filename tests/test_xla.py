@@ -6,9 +6,9 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import keras_integration
+from tfdp_variants import stack
 
-keras = keras_integration.keras
+keras = stack.keras
 B, C, LR = 8, 0.5, 0.5
 
 

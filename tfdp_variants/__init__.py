@@ -44,26 +44,8 @@ class _NotConverged(logging.Filter):
         "_compute_log_a_frac failed to converge"))
 
 
-def _check_backend() -> None:
-  """Raises ImportError unless Keras runs on TensorFlow (Keras 3 may be set to jax or torch)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  message = ("tfdp_variants needs Keras' TensorFlow backend (its per-example gradients read "
-             "TensorFlow graphs), not {!r}: set KERAS_BACKEND=tensorflow before importing Keras "
-             "(or the backend in ~/.keras/keras.json).")
-  try:
-    keras_3 = hasattr(tf.keras, "ops")  # Loads Keras; Keras 2 (tf-keras, TF 2.15) has no ops.
-  except ImportError as e:  # Keras 3 could not load another backend (e.g. jax not installed).
-    if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
-      raise ImportError(message.format(os.environ["KERAS_BACKEND"])) from e
-    raise
-  if keras_3:
-    import keras  # pylint: disable=g-import-not-at-top
-    if keras.backend.backend() != "tensorflow":
-      raise ImportError(message.format(keras.backend.backend()))
-
-
 with _quiet_start():  # TensorFlow and Keras load their native libraries.
-  _check_backend()
+  from tfdp_variants.stack import version  # Refuses a Keras backend other than TensorFlow.
 
 from tfdp_variants import accounting
 from tfdp_variants import algorithms
@@ -75,6 +57,7 @@ from tfdp_variants import metrics
 from tfdp_variants import models
 from tfdp_variants import per_example
 from tfdp_variants import sanity
+from tfdp_variants import stack
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.losses import bounded_labels
@@ -97,6 +80,8 @@ from tfdp_variants.optimizers import QuantileClipSGD
 from tfdp_variants.optimizers import TanhFilterAdam
 from tfdp_variants.optimizers import TanhFilterSGD
 from tfdp_variants.per_example import per_example_gradients
+
+stack.install()
 
 __version__ = "0.1.0"
 

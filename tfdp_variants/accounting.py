@@ -212,18 +212,6 @@ def scaled_sensitivity(event: dp_accounting.DpEvent, factor: float) -> dp_accoun
                   "Gaussian, Laplace and their compositions.")
 
 
-def per_layer_noise_multiplier(noise_multiplier: float, num_layers: int) -> float:
-  """σ_eff of per-layer clipping with noise σ·C_k on each of K layers clipped to C_k.
-
-  Dividing layer k by C_k makes every block's noise N(0, σ²) and the sensitivity of the whole
-  √(Σ_k (‖g_k‖/C_k)²) ≤ √K, so the mechanism is a Gaussian with noise multiplier σ/√K (not σ,
-  which would hold for noise σ·√(Σ_k C_k²) on every layer).
-  """
-  if num_layers < 1:
-    raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
-  return noise_multiplier / math.sqrt(num_layers)
-
-
 def epsilon_of_event(event: dp_accounting.DpEvent,
                      delta: float,
                      method: str = "rdp") -> float:

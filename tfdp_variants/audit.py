@@ -58,7 +58,7 @@ from scipy import stats
 import tensorflow as tf
 
 from tfdp_variants import accounting
-from tfdp_variants import keras_integration
+from tfdp_variants import stack
 
 ADJACENCIES = ("remove", "replace")
 
@@ -296,7 +296,7 @@ def _optimizer_variables(optimizer) -> list:
 
 def _build(optimizer, variables) -> None:
   """Creates the optimizer's state (base slots and the algorithm's) before the first step."""
-  if keras_integration.is_legacy(type(optimizer)):
+  if stack.is_legacy(type(optimizer)):
     optimizer._create_all_weights(variables)  # pylint: disable=protected-access
   else:
     optimizer.build(variables)
@@ -454,7 +454,8 @@ def canary_scores(optimizer_factory: Callable[[], object], trials: int, *, batch
     path: "compute_gradients" (a custom loop: the score is −⟨ĝ, u⟩ of the released gradient) or
       "fit" (`model.fit`: the score is ⟨w, u⟩/lr after the trial from w = 0, which is −⟨Σĝ, u⟩
       for an SGD base; for other bases it is a post-processing of ĝ, so the bounds still hold
-      but μ̂ is not the gradient's).
+      but μ̂ is the gradient's only for a step linear in ĝ: Adam's first step is, to a relative
+      √(1−β₂)|ĝ|/ε, with a large `epsilon` such as 10).
     strategy: a `tf.distribute.Strategy` (with path="fit") whose scope makes the model and
       optimizer; fit spreads each batch over its replicas.
     seed: seeds the other examples' inputs (public data; the noise stays the optimizer's own).

@@ -47,20 +47,18 @@ Example (Poisson batches, the sampling whose amplification the certified ε uses
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
-from absl import logging
 import dp_accounting
 import numpy as np
 import tensorflow as tf
 
 from tfdp_variants import accounting
-from tfdp_variants import keras_integration
 from tfdp_variants import metrics
 from tfdp_variants import optimizers
 from tfdp_variants import per_example
 from tfdp_variants import sampling as sampling_lib
+from tfdp_variants import stack
 from tfdp_variants.optimizers import DPOptimizerMixin
 
 ArrayLike = Union[np.ndarray, tf.Tensor]
@@ -188,7 +186,7 @@ class _Accountant(tf.keras.callbacks.Callback):
           f"expected_batch_size={self.sampling.batch_size:g} and train on "
           "tfdp_variants.data.poisson_dataset(...), or account fit's batches as "
           "sampling=\"shuffle\".")
-    inputs = keras_integration.fit_inputs(self.model)
+    inputs = stack.fit_inputs(self.model)
     if inputs is not None:
       self.sampling = sampling_lib.of_fit(self.sampling, inputs.x, inputs.batch_size,
                                           inputs.validation_split, who)
@@ -242,10 +240,7 @@ def _build(model: tf.keras.Model, optimizer: DPOptimizerMixin) -> None:
     return
   variables = model.trainable_variables
   with model.distribute_strategy.scope():
-    if keras_integration.is_legacy(type(optimizer)):
-      optimizer._create_all_weights(variables)  # pylint: disable=protected-access
-    else:
-      optimizer.build(variables)
+    stack.build_optimizer(optimizer, variables)
 
 
 class PrivacyLogger(_Accountant):
@@ -363,7 +358,7 @@ class PrivacyBudget(_Accountant):
           f"privacy_guarantee={self._optimizer.privacy_guarantee!r}: its ε is no proven bound. "
           "Use the algorithm's certified mode (and unseeded noise), or pass nominal=True to stop "
           "at the ε the paper accounts (not a guarantee).")
-    self._steps_ahead = keras_integration.steps_per_execution(self.model, "PrivacyBudget")
+    self._steps_ahead = stack.steps_per_execution(self.model, "PrivacyBudget")
 
   def _register(self) -> None:
     super()._register()
@@ -476,13 +471,13 @@ class TPVDCallback(_StepCounter):
       self.twin.set_weights(self.model.get_weights())
       optimizer = self.twin_optimizer or optimizers.non_private_twin(
           _dp_optimizer(self.model, "TPVDCallback without twin_optimizer"))
-      self.twin.compile(optimizer=optimizer, loss=keras_integration.mean_reduced(self.model.loss))
+      self.twin.compile(optimizer=optimizer, loss=stack.mean_reduced(self.model.loss))
       self._twin_step = tf.function(self.twin.train_step, reduce_retracing=True)
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch_steps = 0
     if self.twin is not None:
-      for _ in range(keras_integration.passes_fit_drops(epoch)):
+      for _ in range(stack.passes_fit_drops(epoch)):
         iter(self.twin_data)  # Keeps a seeded shuffle's k-th pass equal to fit's.
 
   def _on_steps(self, steps: int) -> None:
@@ -510,7 +505,7 @@ class TPVDCallback(_StepCounter):
 
 
 def _tag(variable: tf.Variable) -> str:
-  return "grad_norm/" + keras_integration.variable_name(variable)
+  return "grad_norm/" + stack.variable_name(variable)
 
 
 class LayerNormLogger(tf.keras.callbacks.Callback):

@@ -244,3 +244,36 @@ def poisson_dataset(x: np.ndarray, y: np.ndarray, sampling_probability: float, s
   dataset.sampling = sampling.Sampling("poisson", len(x), sampling_probability * len(x),
                                        secret=seed is None)
   return dataset
+
+
+def poisson_per_replica(strategy: tf.distribute.Strategy, x: np.ndarray, y: np.ndarray,
+                        sampling_probability: float,
+                        steps: int = 100) -> tf.distribute.DistributedDataset:
+  """Poisson batches for a strategy of several replicas: an endless distributed dataset (fit it
+  with steps_per_epoch) whose steps are each one Poisson batch of (x, y).
+
+  Replica r of R samples the examples r, r + R, r + 2R, … of its pipeline's share (each worker's
+  pipeline takes every W-th example), each independently with probability q, from its own
+  generator seeded from OS entropy (`poisson_dataset`). The shares partition the training set,
+  so a step's union over the replicas includes every example independently with probability q: one
+  Poisson batch of the whole set, as without a strategy, accounted with the same q. (Splitting one
+  Poisson batch per worker, as `experimental_distribute_dataset` does, would need every worker to
+  draw the same secret masks.) Replicas' batches differ in size, and may be empty. `steps`: batches
+  a replica's generator draws before it restarts (with fresh masks); it does not bound the dataset.
+  """
+
+  def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    pipelines, pipeline = context.num_input_pipelines, context.input_pipeline_id
+    local = context.num_replicas_in_sync // pipelines  # This worker's replicas.
+    share = np.arange(len(y))[pipeline::pipelines]
+    parts = [poisson_dataset(x[share[r::local]], y[share[r::local]], sampling_probability,
+                                  steps).repeat() for r in range(local)]
+    if local == 1:
+      return parts[0]
+    # A worker's dataset feeds its replicas in turn (element k to local replica k mod `local`).
+    return tf.data.Dataset.choose_from_datasets(parts, tf.data.Dataset.range(local).repeat())
+
+  if len(y) < strategy.num_replicas_in_sync:
+    raise ValueError(f"{len(y)} training examples cannot be shared among "
+                     f"{strategy.num_replicas_in_sync} replicas.")
+  return strategy.distribute_datasets_from_function(dataset_fn)

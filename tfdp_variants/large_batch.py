@@ -1,4 +1,4 @@
-"""Large-batch training under a privacy budget (van der Veen et al. 2018, §2.3; SPEC §3.4 item 3).
+"""Large-batch training under a privacy budget (van der Veen et al. 2018, §2.3).
 
 A larger batch raises the sampling rate q but cuts the steps of E epochs, and σ is divided by B
 in the mean gradient: the noise per example σ/B falls steeply with B (the paper's Figure 5). To

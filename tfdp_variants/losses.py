@@ -3,7 +3,7 @@
 TensorFlow's sparse softmax cross entropy raises InvalidArgumentError on CPU for a label outside
 [0, classes) and returns NaN on GPU and under XLA. Either is an outcome that depends on one
 example's value, which differential privacy forbids (BUILD_NOTES, "The only output that depends on
-the data"). Inside `bounded_labels()`, TF's op (the one Keras 3, tf-keras and Keras 2.15 all call)
+the data"). Inside `bounded_labels()`, TF's op (patched by `stack.patches`) (the one Keras 3, tf-keras and Keras 2.15 all call)
 gives such an example a loss of 0 with a zero gradient instead, so it contributes nothing to the
 step, as an example with a non-finite gradient does. Labels in range are unchanged.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import tensorflow as tf
 
@@ -51,7 +51,8 @@ def _sparse_softmax_cross_entropy_with_logits(labels=None, logits=None, name=Non
   return tf.where(valid, loss, tf.zeros_like(loss))
 
 
-_sparse_softmax_cross_entropy_with_logits.tfdp_wrapper = True
-for _module in (tf.nn, tf.compat.v2.nn):
-  if not getattr(_module.sparse_softmax_cross_entropy_with_logits, "tfdp_wrapper", False):
-    _module.sparse_softmax_cross_entropy_with_logits = _sparse_softmax_cross_entropy_with_logits
+def install(patch: Callable[[object, str, Callable], None]) -> None:
+  """Puts the bounded op in TF's `tf.nn` (and `tf.compat.v2.nn`, which Keras 2 reads)."""
+  for module in (tf.nn, tf.compat.v2.nn):
+    patch(module, "sparse_softmax_cross_entropy_with_logits",
+          _sparse_softmax_cross_entropy_with_logits)

@@ -1,4 +1,4 @@
-"""How far private training moved the weights: TPVD (Lin et al. 2020, Section 4.5.3; SPEC §3.2).
+"""How far private training moved the weights: TPVD (Lin et al. 2020, Section 4.5.3).
 
 Example:
   >>> import numpy as np

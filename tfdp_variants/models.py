@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from tfdp_variants.keras_integration import keras
+from tfdp_variants.stack import keras
 
 L = keras.layers
 Shape = Sequence[int]

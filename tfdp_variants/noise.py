@@ -1,4 +1,4 @@
-"""Secret noise for differential privacy, and each noised sum together with its DpEvent (SPEC §4).
+"""Secret noise for differential privacy, and each noised sum together with its DpEvent.
 
 A DP guarantee holds only if nobody can reproduce the noise. `tf.keras.utils.set_random_seed`, a
 binary's `--seed` and the data pipeline's seeds fix TensorFlow's global random state; noise drawn
@@ -75,11 +75,6 @@ class NoiseSource:
         self.generator = tf.random.Generator.from_seed(self._seed, alg="philox")
 
   @property
-  def seed(self) -> Optional[int]:
-    """The opted-in seed; None for secret noise."""
-    return self._seed
-
-  @property
   def reproducible(self) -> bool:
     """Whether the noise can be reproduced (a seed was given): then nothing is certified."""
     return self._seed is not None
@@ -96,9 +91,6 @@ class NoiseSource:
     seed = self.generator.make_seeds(1)[:, 0]
     return tf.random.stateless_gamma(shape, seed, alpha, dtype=dtype)
 
-  def uniform(self, shape, dtype: tf.DType = tf.float32) -> tf.Tensor:
-    """Uniform [0, 1) draws (e.g. Poisson sampling masks, which must be secret too)."""
-    return self.generator.uniform(shape, dtype=dtype)
 
 
 def _scales(scale, count: int) -> list:

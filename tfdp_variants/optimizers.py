@@ -1,4 +1,4 @@
-"""The algorithms as drop-in Keras optimizers; DP-SGD's (Abadi et al. 2016; SPEC §3.1) are here.
+"""The algorithms as drop-in Keras optimizers; DP-SGD's (Abadi et al. 2016) are here.
 
 A DP optimizer subclasses a Keras optimizer and replaces only how gradients are computed: per-
 microbatch gradients from the engine, privatized by the algorithm's steps, then the base class's
@@ -30,10 +30,10 @@ import dp_accounting
 import tensorflow as tf
 
 from tfdp_variants import algorithms
-from tfdp_variants import keras_integration
 from tfdp_variants import per_example
 from tfdp_variants import replicas
 from tfdp_variants import sampling
+from tfdp_variants import stack
 from tfdp_variants import validation
 from tfdp_variants.per_example import self_check
 from tfdp_variants.per_example import trace
@@ -94,7 +94,7 @@ class _Untracked:
     self.items: list = []
 
 
-class DPOptimizerMixin:
+class DPOptimizerMixin(stack.DPOptimizerMarker):
   """Per-microbatch gradients, privatized by `algorithm_cls`, for a Keras optimizer.
 
   Args:
@@ -171,7 +171,7 @@ class DPOptimizerMixin:
     self.dp_ledger: Optional[tf.Variable] = None  # Likewise.
     self.per_example_rules: Optional[tuple[str, ...]] = None
     self._dp_released: dict[int, _Released] = {}  # By thread: a replica's (MirroredStrategy).
-    self._dp_mixing_calls = keras_integration.eager_mixing_calls()
+    self._dp_mixing_calls = stack.eager_mixing_calls()
     self._self_check_flags = _Untracked()  # A flag per trace (`per_example.self_check`).
     self._algorithm_built = False
 
@@ -186,7 +186,7 @@ class DPOptimizerMixin:
   def _refuse_eager_mixing(self) -> None:
     """Refuses an eager step after a layer that mixes examples ran eagerly in training mode since
     this optimizer's previous step (or its creation): no graph, so no self-check, can see it."""
-    calls = keras_integration.eager_mixing_calls()
+    calls = stack.eager_mixing_calls()
     seen, self._dp_mixing_calls = self._dp_mixing_calls, calls
     if calls > seen:
       raise ValueError(
@@ -250,7 +250,7 @@ class DPOptimizerMixin:
   def _add_state(self, name: str, initial_value) -> tf.Variable:
     """An optimizer variable (saved with its state); the algorithm gets the `tf.Variable`."""
     return per_example.as_tf_variable(
-        keras_integration.add_state(self, name, tf.convert_to_tensor(initial_value)))
+        stack.add_state(self, name, tf.convert_to_tensor(initial_value)))
 
   def _build_algorithm(self, var_list) -> None:
     if not self._algorithm_built:
@@ -283,41 +283,61 @@ class DPOptimizerMixin:
     """Under a LossScaleOptimizer: the privatized gradient of the unscaled loss, or NaN when a
     scaled gradient overflowed, so that the wrapper skips the step and lowers its scale."""
     finite = grads.all_finite  # Before the engine zeroed the non-finite rows.
-    grads = keras_integration.UnscaledGradients(grads, loss_scale)
+    grads = stack.UnscaledGradients(grads, loss_scale)
     skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
     return tf.cond(finite, lambda: self._privatize(grads), skipped)
 
   def _dp_gradients(self, loss, var_list, tape) -> list[tuple[tf.Tensor, tf.Variable]]:
-    """(privatized gradient, variable) pairs for the per-example `loss` (see `compute_gradients`)."""
+    """(privatized gradient, variable) pairs for the per-example `loss` (see `compute_gradients`).
+
+    The DP step as named steps: the step's inputs → per-example gradients (the engine) → the
+    algorithm (clip, sum, noise with its event, normalize, its state updates: `_privatize`) →
+    the model's data-independent losses → release (the only gradients `apply_gradients` takes).
+    """
+    loss, var_list, tape = self._step_inputs(loss, var_list, tape)
+    model = validation.training_model()
+    wrapper = stack.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
+    grads = self._per_example_gradients(loss, var_list, tape, model)
+    if wrapper is None:
+      privatized = self._privatize(grads)
+    else:
+      privatized = self._privatize_scaled(grads, wrapper.loss_scale)
+    privatized = self._add_model_losses(privatized, grads.variables, model)
+    if wrapper is not None:  # The wrapper divides by its scale.
+      privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
+    return self._release(privatized, var_list, wrapper)
+
+  def _step_inputs(self, loss, var_list, tape) -> tuple:
+    """The loss, variables and tape of a step, callables called; refuses a step without
+    trainable variables, an eager step without its tape, or under an unsupported strategy, and
+    builds the optimizer's state outside the traced step (as Keras does)."""
     replicas.check_strategy(type(self).__name__)
     if callable(loss):
       tape = tape if tape is not None else tf.GradientTape()
       with tape:
         loss = loss()
-    if callable(var_list):
-      var_list = var_list()
-    var_list = tf.nest.flatten(var_list)
+    var_list = tf.nest.flatten(var_list() if callable(var_list) else var_list)
     if not var_list:
       raise ValueError(f"{type(self).__name__} was given no trainable variables, so there is "
                        "nothing to train. Build the model before training and leave some layers "
                        "trainable (layer.trainable = True).")
     if tape is None and tf.executing_eagerly():
       raise ValueError("`tape` is required when a Tensor loss is passed eagerly.")
-    model = validation.training_model()
     if tf.executing_eagerly():
       self._refuse_eager_mixing()
       logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
                           "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
                           1, type(self).__name__)
-    with tf.init_scope():  # State is created outside the traced step, as Keras does.
-      if keras_integration.is_legacy(type(self)):
-        self._create_all_weights(var_list)
-      elif not (keras_integration.KERAS_3 and self.built):
-        self.build(var_list)
-    wrapper = keras_integration.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
+    with tf.init_scope():
+      stack.build_optimizer(self, var_list)
+    return loss, var_list, tape
+
+  def _per_example_gradients(self, loss, var_list, tape, model) -> per_example.PerExampleGradients:
+    """The engine's per-microbatch gradients, with the in-step self-check unless `fit` ran it on
+    a synthetic batch (`preflight`)."""
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
-    inputs = keras_integration.fit_inputs(model) if model is not None else None
-    checked = inputs is not None and inputs.prechecked  # On a synthetic batch (`preflight`).
+    inputs = stack.fit_inputs(model) if model is not None else None
+    checked = inputs is not None and inputs.prechecked
     grads = per_example.compute(loss, tf_vars,
                                 replicas.local_count(self.num_microbatches, type(self).__name__),
                                 tape, self.self_check and not checked)
@@ -328,19 +348,25 @@ class DPOptimizerMixin:
     if slow and not tf.executing_eagerly():
       logging.info("%s: these variables have no per-example rule and take the exact Jacobian "
                    "fallback (slower): %s", type(self).__name__, ", ".join(slow))
-    if wrapper is None:
-      privatized = self._privatize(grads)
-    else:
-      privatized = self._privatize_scaled(grads, wrapper.loss_scale)
-    regularizers = keras_integration.model_losses_left(model)
-    if regularizers:  # Independent of the data: added after privatization, unclipped.
-      dtype = max((t.dtype for t in regularizers), key=lambda d: d.size)
-      total = tf.add_n([tf.cast(t, dtype) for t in regularizers])
-      privatized = [p if g is None else p + tf.cast(tf.convert_to_tensor(g), p.dtype)
-                    for p, g in zip(privatized, tf.gradients(total, tf_vars))]
-    if wrapper is not None:  # The wrapper divides by its scale.
-      privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
-    trace.mark_released(privatized)  # A later step in this graph may read what it updates.
+    return grads
+
+  @staticmethod
+  def _add_model_losses(privatized: list[tf.Tensor], tf_vars, model) -> list[tf.Tensor]:
+    """Adds the gradient of the model's losses that depend on no data (weight regularizers),
+    after privatization and unclipped (`stack.model_losses_left`)."""
+    regularizers = stack.model_losses_left(model)
+    if not regularizers:
+      return privatized
+    dtype = max((t.dtype for t in regularizers), key=lambda d: d.size)
+    total = tf.add_n([tf.cast(t, dtype) for t in regularizers])
+    return [p if g is None else p + tf.cast(tf.convert_to_tensor(g), p.dtype)
+            for p, g in zip(privatized, tf.gradients(total, tf_vars))]
+
+  def _release(self, privatized: list[tf.Tensor], var_list, wrapper
+               ) -> list[tuple[tf.Tensor, tf.Variable]]:
+    """The step's output: marked released for the mixing analysis (a later step in this graph
+    may read what it updates) and remembered as what `apply_gradients` may take."""
+    trace.mark_released(privatized)
     self._dp_released[threading.get_ident()] = _Released(privatized, var_list, wrapper)
     return list(zip(privatized, var_list))
 
@@ -371,9 +397,9 @@ class DPOptimizerMixin:
 
   def scale_loss(self, loss):
     """Keras 3 API, called by `train_step` inside its tape: keeps the per-example loss, from
-    which `apply` computes this step's private gradients (`keras_integration`)."""
+    which `apply` computes this step's private gradients (`stack.keras3`)."""
     scaled = super().scale_loss(loss)
-    keras_integration.remember_loss(self, loss, scaled)
+    stack.remember_loss(self, loss, scaled)
     return scaled
 
   def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
@@ -385,18 +411,19 @@ class DPOptimizerMixin:
     """The gradients to apply: those this optimizer privatized, passed on unchanged; on Keras 3,
     in place of Keras' own, the private gradients of the loss `scale_loss` kept; else an error."""
     replicas.check_strategy(type(self).__name__)
-    keras_integration.check_step_settings(self)
+    stack.check_step_settings(self)
     grads, variables = list(grads), list(variables)
-    wrapper = keras_integration.loss_scale_wrapper(self)
+    wrapper = stack.loss_scale_wrapper(self)
     released = self._dp_released.get(threading.get_ident())
-    raw = [keras_integration.variable_name(v) for g, v in zip(grads, variables)
+    raw = [stack.variable_name(v) for g, v in zip(grads, variables)
            if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
     if not raw:
       return grads
-    loss = keras_integration.remembered_loss(self, grads) if keras_integration.KERAS_3 else None
+    loss = stack.remembered_loss(self, grads)
     if loss is not None:  # Keras 3's fit: privatize the loss it gave `scale_loss`.
       return [g for g, _ in self._dp_gradients(loss, variables, None)]
-    why = f" ({keras_integration.why_no_loss(self)})" if keras_integration.KERAS_3 else ""
+    why = stack.why_no_loss(self)
+    why = f" ({why})" if why else ""
     raise RuntimeError(
         f"{type(self).__name__}.apply_gradients was given gradients it did not privatize (for "
         f"{', '.join(raw)}), which would train without privacy{why}. Pass on, unchanged, the "
@@ -406,12 +433,7 @@ class DPOptimizerMixin:
   def apply_gradients(self, grads_and_vars, *args, **kwargs):
     """Keras optimizer API, for the gradients this optimizer's last compute_gradients returned
     (on Keras 3 also inside `fit`: see `scale_loss`)."""
-    if keras_integration.KERAS_3:  # Every Keras 3 update goes through `apply`, guarded there.
-      return super().apply_gradients(grads_and_vars, *args, **kwargs)
-    keras_integration.check_aggregated(type(self).__name__, super().apply_gradients, args, kwargs)
-    pairs = list(grads_and_vars)
-    grads = self._guarded([g for g, _ in pairs], [v for _, v in pairs])
-    return super().apply_gradients(zip(grads, [v for _, v in pairs]), *args, **kwargs)
+    return stack.apply_gradients(self, super().apply_gradients, grads_and_vars, args, kwargs)
 
   def apply(self, grads, trainable_variables=None):
     """Keras 3 optimizer API (its LossScaleOptimizer and `apply_gradients` call it): guarded as
@@ -432,7 +454,7 @@ class DPOptimizerMixin:
   @classmethod
   def _recipe(cls) -> dict:
     """What `make_dp_optimizer_class` rebuilds the class from, in any process."""
-    return {"base": keras_integration.class_reference(cls.base_cls),
+    return {"base": stack.class_reference(cls.base_cls),
             "algorithm": cls.algorithm_cls.name, "options": dict(cls.default_options)}
 
   @classmethod
@@ -445,7 +467,7 @@ class DPOptimizerMixin:
       if recipe is None:
         raise ValueError("This DP optimizer config has no 'dp_class' recipe; load it with the "
                          "class that saved it: make_dp_optimizer_class(...).from_config(config).")
-      cls = make_dp_optimizer_class(keras_integration.resolve_class(recipe["base"]),
+      cls = make_dp_optimizer_class(stack.resolve_class(recipe["base"]),
                                     recipe["algorithm"], **recipe["options"])
     return super(DPOptimizerMixin, cls).from_config(config, custom_objects=custom_objects)
 
@@ -453,7 +475,7 @@ class DPOptimizerMixin:
 @functools.cache
 def _make_class(base_cls: type, algorithm: str, options: tuple) -> type:
   algorithm_cls = algorithms.REGISTRY[algorithm]
-  name = algorithm_cls.class_prefix + ("Legacy" if keras_integration.is_legacy(base_cls) else "")
+  name = algorithm_cls.class_prefix + ("Legacy" if stack.is_legacy(base_cls) else "")
   name += base_cls.__name__
   if options:
     name += "_" + re.sub(r"\W", "_", "_".join(f"{k}_{v}" for k, v in options))
@@ -464,7 +486,7 @@ def _make_class(base_cls: type, algorithm: str, options: tuple) -> type:
       "__doc__": doc, "__module__": __name__, "algorithm_cls": algorithm_cls,
       "base_cls": base_cls, "default_options": dict(options),
       "privacy_guarantee": algorithm_cls.privacy_guarantee})
-  keras_integration.register(cls, loader=DPOptimizerMixin)
+  stack.register(cls, loader=DPOptimizerMixin)
   return cls
 
 
@@ -480,7 +502,7 @@ def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options)
     >>> DPNadam = make_dp_optimizer_class(tf.keras.optimizers.Nadam)
     >>> opt = DPNadam(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-3)
   """
-  if not (isinstance(base_cls, type) and issubclass(base_cls, keras_integration.OPTIMIZER_BASES)):
+  if not (isinstance(base_cls, type) and issubclass(base_cls, stack.OPTIMIZER_BASES)):
     raise TypeError(f"base_cls must be a Keras optimizer class, got {base_cls!r}.")
   if algorithm not in algorithms.REGISTRY:
     raise ValueError(f"Unknown algorithm {algorithm!r}; choose one of "
@@ -492,7 +514,7 @@ def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options)
   return _make_class(base_cls, algorithm, tuple(sorted(options.items())))
 
 
-# The named classes of SPEC §3 (any other base: make_dp_optimizer_class).
+# The named classes (any other base: make_dp_optimizer_class).
 DPSGD = make_dp_optimizer_class(tf.keras.optimizers.SGD)
 DPAdam = make_dp_optimizer_class(tf.keras.optimizers.Adam)
 DPRMSprop = make_dp_optimizer_class(tf.keras.optimizers.RMSprop)

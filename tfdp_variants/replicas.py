@@ -1,4 +1,4 @@
-"""A DP step split over the replicas of a tf.distribute strategy (SPEC §7).
+"""A DP step split over the replicas of a tf.distribute strategy.
 
 Under `MirroredStrategy` (several devices, one host) or `MultiWorkerMirroredStrategy` (several
 hosts), Keras runs the step on each of R replicas, each on its part of the global batch, and sums
@@ -22,9 +22,7 @@ R = 1 and every function here is the identity.
 
 from __future__ import annotations
 
-import json
 import math
-import socket
 from typing import Sequence
 
 import tensorflow as tf
@@ -59,7 +57,7 @@ def check_keras_clipping(optimizer, who: str) -> None:
   """Raises ValueError for Keras' own gradient clipping (`clipnorm`, `clipvalue`,
   `global_clipnorm`) under several replicas: Keras clips each replica's noisy share before the
   shares are summed, which bounds no example's influence and is not post-processing of the DP
-  step (SPEC §4). On one replica it clips the noised gradient: post-processing, allowed."""
+  step. On one replica it clips the noised gradient: post-processing, allowed."""
   clipping = [name for name in ("clipnorm", "clipvalue", "global_clipnorm")
               if getattr(optimizer, name, None) is not None]
   if clipping and count() > 1:
@@ -102,22 +100,3 @@ def gather(t: tf.Tensor) -> tf.Tensor:
   if count() == 1:
     return t
   return tf.distribute.get_replica_context().all_gather(t, axis=0)
-
-
-def localhost_tf_configs(num_workers: int) -> list[str]:
-  """TF_CONFIG values for `num_workers` MultiWorkerMirroredStrategy workers on this host, one per
-  worker, on ports free when asked: to try the multi-worker path on one machine (tests, bench).
-
-  Example:
-    >>> configs = localhost_tf_configs(2)  # Start worker i with TF_CONFIG=configs[i].
-  """
-  sockets = [socket.socket() for _ in range(num_workers)]
-  try:
-    for s in sockets:
-      s.bind(("127.0.0.1", 0))
-    workers = [f"127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
-  return [json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-          for i in range(num_workers)]

@@ -1,4 +1,4 @@
-"""How training draws its batches, and what that makes the run's privacy (SPEC §4).
+"""How training draws its batches, and what that makes the run's privacy.
 
 Sampling is part of the guarantee:
 

@@ -1,4 +1,4 @@
-"""Sanity checks before private training (van der Veen et al. 2018, §2.1; SPEC §3.4 item 1).
+"""Sanity checks before private training (van der Veen et al. 2018, §2.1).
 
 DP bounds what any one record (or user) can change, so a DP model must not memorize data whose
 labels carry no signal, while a non-private twin of the same architecture, initialization and
@@ -21,8 +21,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdp_variants import keras_integration
 from tfdp_variants import optimizers
+from tfdp_variants import stack
 
 ModelFn = Callable[[], tf.keras.Model]
 PLACEMENTS = ("centralized", "distributed")
@@ -96,7 +96,7 @@ def _train_pair(model_fn: ModelFn, optimizer: optimizers.DPOptimizerMixin, loss,
   dp_model = model_fn()
   init = dp_model.get_weights()
   models = []
-  twin = (model_fn(), non_private_twin(optimizer), keras_integration.mean_reduced(loss))
+  twin = (model_fn(), non_private_twin(optimizer), stack.mean_reduced(loss))
   for model, opt, model_loss in ((dp_model, optimizer, loss), twin):
     tf.keras.utils.set_random_seed(seed)
     model.set_weights(init)

@@ -27,7 +27,7 @@ host (tf.distribute.MirroredStrategy), --strategy=multi_worker on the hosts that
 (tf.distribute.MultiWorkerMirroredStrategy; run the binary on each host with the same flags).
 --batch_size stays the global batch and q = batch_size / N. Poisson batches are drawn per replica, on
 its own disjoint share of the training set, with the same q: their union is one Poisson batch of
-the whole set (`poisson_per_replica`). Under multi_worker only the chief writes to --logdir.
+the whole set (`data.poisson_per_replica`). Under multi_worker only the chief writes to --logdir.
 --cpu_replicas=R (with --strategy=mirrored) splits the CPU into R logical devices, to test the
 mirrored path without GPUs: the replicas share the CPU's cores, so it is no faster.
 """
@@ -48,7 +48,6 @@ from typing import Callable, Optional
 
 from absl import app
 from absl import flags
-import numpy as np
 import tensorflow as tf
 
 import tfdp_variants
@@ -74,7 +73,7 @@ def _options_help() -> str:
 
 
 _ALGORITHM = flags.DEFINE_enum("algorithm", "dpsgd", sorted(algorithms.REGISTRY),
-                               "The DP algorithm (SPEC §3).")
+                               "The DP algorithm.")
 _OPTIONS = flags.DEFINE_list("options", [], _options_help())
 _OPTIMIZER = flags.DEFINE_enum("optimizer", "sgd", sorted(_BASES), "Base Keras optimizer.")
 _MODEL = flags.DEFINE_enum("model", "auto", ["auto", *sorted(models.MODELS)],
@@ -182,39 +181,6 @@ def is_chief(strategy: Optional[tf.distribute.Strategy]) -> bool:
   """Whether this process writes logs: always, but under multi_worker only on the chief (the task
   "chief", else worker 0), as in Keras' multi-worker tutorial."""
   return strategy is None or strategy.extended.should_save_summary
-
-
-def poisson_per_replica(strategy: tf.distribute.Strategy, x: np.ndarray, y: np.ndarray,
-                        sampling_probability: float,
-                        steps: int = 100) -> tf.distribute.DistributedDataset:
-  """Poisson batches for a strategy of several replicas: an endless distributed dataset (fit it
-  with steps_per_epoch) whose steps are each one Poisson batch of (x, y).
-
-  Replica r of R samples the examples r, r + R, r + 2R, … of its pipeline's share (each worker's
-  pipeline takes every W-th example), each independently with probability q, from its own
-  generator seeded from OS entropy (`data.poisson_dataset`). The shares partition the training set,
-  so a step's union over the replicas includes every example independently with probability q: one
-  Poisson batch of the whole set, as without a strategy, accounted with the same q. (Splitting one
-  Poisson batch per worker, as `experimental_distribute_dataset` does, would need every worker to
-  draw the same secret masks.) Replicas' batches differ in size, and may be empty. `steps`: batches
-  a replica's generator draws before it restarts (with fresh masks); it does not bound the dataset.
-  """
-
-  def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-    pipelines, pipeline = context.num_input_pipelines, context.input_pipeline_id
-    local = context.num_replicas_in_sync // pipelines  # This worker's replicas.
-    share = np.arange(len(y))[pipeline::pipelines]
-    parts = [data.poisson_dataset(x[share[r::local]], y[share[r::local]], sampling_probability,
-                                  steps).repeat() for r in range(local)]
-    if local == 1:
-      return parts[0]
-    # A worker's dataset feeds its replicas in turn (element k to local replica k mod `local`).
-    return tf.data.Dataset.choose_from_datasets(parts, tf.data.Dataset.range(local).repeat())
-
-  if len(y) < strategy.num_replicas_in_sync:
-    raise ValueError(f"{len(y)} training examples cannot be shared among "
-                     f"{strategy.num_replicas_in_sync} replicas.")
-  return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 AUDIT_ALPHA = 1e-3  # --audit stops a correct optimizer's run with probability ≤ 0.1%.
@@ -372,7 +338,7 @@ def main(argv):
                                    method=_ACCOUNTING.value, sampling=sampling)
   fit_steps = None
   if poisson and replicas > 1:
-    train = poisson_per_replica(strategy, x_train, y_train, q, steps_per_epoch)
+    train = data.poisson_per_replica(strategy, x_train, y_train, q, steps_per_epoch)
     fit_steps = steps_per_epoch  # The dataset is endless.
   elif poisson:
     train = data.poisson_dataset(x_train, y_train, q, steps_per_epoch)

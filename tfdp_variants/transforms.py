@@ -15,7 +15,7 @@ from tfdp_variants.per_example import PerExampleGradients
 
 
 def clip_factors(norms: tf.Tensor, l2_norm_clip: float | tf.Tensor) -> tf.Tensor:
-  """Weights w_m = min(1, C / ||g_m||), so that w_m g_m = clip(g_m, C) (SPEC §2).
+  """Weights w_m = min(1, C / ||g_m||), so that w_m g_m = clip(g_m, C).
 
   An infinite norm gets weight 0, and so does a NaN one (never 1: XLA compiles min(1, NaN) to 1).
   Defined for a data-dependent C = 0 too (ICGC-DP's median, a quantile): then a nonzero g_m gets

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 # Layers whose output for one example depends on the other examples of the batch in training mode
 # (Keras 2 keeps its synchronized batch normalization under `experimental`; Keras 3 has no
-# `experimental`). Eagerly they are counted (`keras_integration.eager_mixing_calls`); in a graph the
+# `experimental`). Eagerly they are counted (`stack.eager_mixing_calls`); in a graph the
 # trace-time analysis (`per_example.self_check.refuse_in_loss`) refuses any mixing, so a frozen one
 # called with training=False is accepted.
 MIXING_LAYERS: tuple[type, ...] = tuple(
@@ -60,6 +60,14 @@ def is_finite_real(value) -> bool:
   """A finite real number: Python's or NumPy's (np.float32, np.int64, ...), but not a bool."""
   return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
           and math.isfinite(value))
+
+
+def check_chunk_size(chunk_size: int) -> None:
+  """Raises ValueError unless `chunk_size` (microbatch gradients materialized at a time) is a
+  positive int (not a bool)."""
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; smaller uses "
+                     "less memory, larger is faster.")
 
 
 def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:

@@ -2,7 +2,7 @@ r"""ICGC-DP (Ma et al. 2023): layered clipping with and without AWF vs DP-SGD on
 
 Paper: Ma et al., "Image classification algorithm based on layered gradient clipping under
 differential privacy" (ICGC-DP, IEEE Access 2023;
-/work/shared/papers/ma2023_icgc_dp_layered_clipping.txt), Figure 4 (MNIST, Model1); SPEC §3.3.
+/work/shared/papers/ma2023_icgc_dp_layered_clipping.txt), Figure 4 (MNIST, Model1).
 
 Claim reproduced: at the same privacy budget ε (δ = 1e-5), ICGC-DP — each example's layers clipped
 to the median of its own layer norms, noise scaled by C_Mi + β, β = 1/T², and two sub-models fused

@@ -1,7 +1,7 @@
 """Three tools for practical differential privacy (van der Veen et al. 2018): the Section 3 workflow.
 
 Paper: K. L. van der Veen, R. Seggers, P. Bloem, G. Patrini, "Three Tools for Practical
-Differential Privacy", NeurIPS 2018 PPML workshop (papers/vanderveen2018_three_tools.txt; SPEC §3.4).
+Differential Privacy", NeurIPS 2018 PPML workshop (papers/vanderveen2018_three_tools.txt).
 
 The paper's recipe, run end to end on the 8,000/2,000 MNIST subset (../shared/data/mnist_10k.npz):
   1. Sanity check (§2.1, Figure 1): train the DP configuration and a non-private twin (same model,

@@ -1,4 +1,4 @@
-"""Adaptive per-layer clipping (van der Veen et al. 2018, "Three Tools", §2.2; SPEC §3.4 item 2).
+"""Adaptive per-layer clipping (van der Veen et al. 2018, "Three Tools", §2.2).
 
 Each layer l (one trainable variable) has its own bound C^l, kept as optimizer state. A step
 
@@ -37,7 +37,7 @@ def private_mean_norms(norms: Sequence[tf.Tensor], bounds: tf.Tensor, alpha: flo
 
   C_n^l = β C_{t−1}^l, clip(s, C_n) = s / max(1, s / C_n) = min(s, C_n). The paper prints the
   noise outside the 1/B; read literally, noise of scale C_n would swamp a mean of norms below C_n,
-  so, as SPEC §3.4 says, the noised sum is divided by B like every DP mean.
+  so, the noised sum is divided by B like every DP mean.
 
   Args:
     norms: per layer, the (M,) norms ‖g_i^l‖ of this step (this replica's, under a strategy: the

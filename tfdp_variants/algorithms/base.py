@@ -8,7 +8,7 @@ the algorithm has no proven guarantee, or its noise was made reproducible) and
 `nominal_mechanism_event` the one its paper accounts; `step_event` and `nominal_step_event` are
 these on a Poisson sample.
 
-Sensitivity (SPEC §4): with one example per microbatch, adding or removing it adds or removes one
+Sensitivity: with one example per microbatch, adding or removing it adds or removes one
 record. With several, it changes one microbatch's record, which may then differ by the record's
 whole range (2C for a clipped mean): `replace_one=True`, which also serves substitution adjacency.
 """
@@ -29,7 +29,6 @@ from tfdp_variants.per_example import PerExampleGradients
 # add_state(name, initial_value) -> tf.Variable: a variable saved with the optimizer.
 AddState = Callable[[str, tf.Tensor], tf.Variable]
 
-GUARANTEES = ("certified", "heuristic", "none")
 REGISTRY: dict[str, type["Algorithm"]] = {}
 
 
@@ -88,7 +87,7 @@ class Algorithm:
     raise NotImplementedError
 
   def mean(self, noised: Sequence[tf.Tensor], grads: PerExampleGradients) -> list[tf.Tensor]:
-    """The noised sum over `denominator` (SPEC §2, §4); under a strategy, this replica's share of
+    """The noised sum over `denominator`; under a strategy, this replica's share of
     it (`tfdp_variants.replicas`)."""
     denominator = self.denominator(grads)
     return [t / tf.cast(denominator, t.dtype) for t in noised]

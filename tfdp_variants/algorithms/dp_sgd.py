@@ -1,4 +1,4 @@
-"""DP-SGD (Abadi et al. 2016, Algorithm 1; SPEC §3.1), the reference every paper compares to."""
+"""DP-SGD (Abadi et al. 2016, Algorithm 1), the reference every paper compares to."""
 
 from __future__ import annotations
 

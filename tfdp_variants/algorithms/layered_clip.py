@@ -1,6 +1,6 @@
-"""ICGC-DP layered clipping (Ma et al. 2023, Algorithm 2 lines 8-12; SPEC §3.3).
+"""ICGC-DP layered clipping (Ma et al. 2023, Algorithm 2 lines 8-12).
 
-Each microbatch gradient is split into its K "layers" (one per trainable variable, SPEC §2); the
+Each microbatch gradient is split into its K "layers" (one per trainable variable); the
 median of their norms is that microbatch's own clipping threshold C_Mi (Eq. 2, Algorithm 1), every
 layer is clipped to it (Eq. 3), and the noise is scaled by the per-example sensitivities
 C̄_i = C_Mi + β (Eqs. 5-6).

@@ -1,4 +1,4 @@
-"""Noisy Gradient (Lin et al. 2020, Algorithm 1; SPEC §3.2): noise each gradient, then clip it.
+"""Noisy Gradient (Lin et al. 2020, Algorithm 1): noise each gradient, then clip it.
 
 `order="noise_then_clip"` (AC) is the paper's proposal. It has no privacy guarantee: noise added to
 an unbounded gradient bounds nothing, so `step_event` is None; `nominal_step_event` is still the
@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tfdp_variants import noise
 from tfdp_variants import transforms
+from tfdp_variants import validation
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -88,8 +89,7 @@ class NoisyGradient(base.Algorithm):
     if order not in ORDERS:
       raise ValueError(f"order must be one of {ORDERS}, got {order!r}: 'noise_then_clip' is the "
                        "paper's Algorithm 1 (AC), 'clip_then_noise' is DP-SGD (CA).")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-      raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    validation.check_chunk_size(chunk_size)
     self.order = order
     self.noise_sampling = noise_sampling
     self.chunk_size = chunk_size

@@ -1,4 +1,4 @@
-"""PIGDO, perturbed iterative gradient descent optimization (PIGDO paper 2022; SPEC §3.5).
+"""PIGDO, perturbed iterative gradient descent optimization (PIGDO paper 2022).
 
 Algorithm 2 of the paper (PIAdam) clips each per-example gradient to C, adds N(0, σ²C² I) to
 their sum and feeds the noised mean to the adaptive optimizer's update of Table 1 (Adam, RMSprop

@@ -1,4 +1,4 @@
-"""Quantile adaptive clipping (SPEC §3.2): Lin et al. 2020 Algorithm 2, and its private form.
+"""Quantile adaptive clipping: Lin et al. 2020 Algorithm 2, and its private form.
 
 - ``method="direct"`` is the paper's baseline (Lin et al. 2020, Algorithm 2, after Thakkar et al.
   2019): the threshold is the q-quantile of this batch's microbatch gradient norms, read straight
@@ -12,7 +12,7 @@
   C_{t+1} = max(0, C_t · exp(−η (b̃_t − q))) (or C_t − η (b̃_t − q)), kept as optimizer state.
 
 Flat clipping takes one threshold from the norms over all variables; per-layer clipping one per
-trainable variable (a "layer", SPEC §2), noised σC_k on variable k.
+trainable variable (a "layer"), noised σC_k on variable k.
 """
 
 from __future__ import annotations

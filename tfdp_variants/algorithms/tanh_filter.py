@@ -1,4 +1,4 @@
-"""Tanh-filter DP-SGD (Amian 2021, Algorithm 1; SPEC §3.6).
+"""Tanh-filter DP-SGD (Amian 2021, Algorithm 1).
 
 Each microbatch gradient passes elementwise through the filter f(x) = c·tanh(x/k) in place of
 clipping, and noise N(0, σ² I) is added to the filtered sum. The paper accounts the step as DP-SGD
@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfdp_variants import noise
 from tfdp_variants import transforms
+from tfdp_variants import validation
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -60,9 +61,7 @@ class TanhFilter(base.Algorithm):
                          "1.0).")
     if not isinstance(certified, bool):
       raise ValueError(f"certified must be True or False, got {certified!r}.")
-    if not (isinstance(chunk_size, int) and chunk_size > 0):
-      raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; smaller uses "
-                       "less memory, larger is faster.")
+    validation.check_chunk_size(chunk_size)
     self.output_range = float(output_range)
     self.active_range = float(active_range)
     self.certified = certified

@@ -605,8 +605,9 @@ _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
                            "TensorListLength", "TensorListElementShape"})
-_DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
-                           "MultiDeviceIteratorGetNextFromShard"})
+# The ops through which a step's data enters a graph (the one list the package keeps).
+DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
+                          "MultiDeviceIteratorGetNextFromShard"})
 _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 # How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` the values
@@ -823,7 +824,7 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
       memo[x.name] = NO_BATCH
     elif op.type == "Placeholder":
       memo[x.name] = _placeholder(x, memo)
-    elif op.type in _DATA_SOURCES:
+    elif op.type in DATA_SOURCES:
       for out in op.outputs:
         memo[out.name] = None if out.dtype == tf.variant else _DATA
     elif op.type == "Const" and _rows_of(x, constants):

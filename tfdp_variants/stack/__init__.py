@@ -1,0 +1,50 @@
+"""The Keras-version seam, as Keras keeps `backend/<name>/`: everything that differs between the
+three stacks (TF 2.21 + Keras 3, the default; TF 2.21 + tf-keras under `TF_USE_LEGACY_KERAS=1`;
+TF 2.15 + Keras 2) is in this package, and nothing outside it asks which Keras runs.
+
+- `version`: which Keras (`KERAS_3`, `keras`, its LossScaleOptimizer and optimizer bases);
+- `keras3`, `keras2`: each version's hooks, one API; `chosen` picks one, once, at import;
+- `marker`: the DP optimizers' marker class, `unwrap`, `is_dp`;
+- `model_loss`, `fit`, `eager_mixing`: what a DP model's `compute_loss`, `fit` and mixing layers
+  do differently; `patches.install()` applies them (idempotent, called by `tfdp_variants`);
+- `loss_scale`: per-example gradients of a scaled loss (Keras 2's mixed precision);
+- `serialization`: one registered name for every DP optimizer class.
+
+Supporting a new Keras version is a new hooks module beside `keras3.py` and a line in `chosen`.
+"""
+
+# pylint: disable=g-importing-member
+from tfdp_variants.stack.chosen import add_state
+from tfdp_variants.stack.chosen import apply_gradients
+from tfdp_variants.stack.chosen import build_optimizer
+from tfdp_variants.stack.chosen import check_step_settings
+from tfdp_variants.stack.chosen import is_legacy
+from tfdp_variants.stack.chosen import loss_scale_wrapper
+from tfdp_variants.stack.chosen import passes_fit_drops
+from tfdp_variants.stack.chosen import remember_loss
+from tfdp_variants.stack.chosen import remembered_loss
+from tfdp_variants.stack.chosen import steps_per_execution
+from tfdp_variants.stack.chosen import why_no_loss
+from tfdp_variants.stack.eager_mixing import eager_mixing_calls
+from tfdp_variants.stack.fit import fit_inputs
+from tfdp_variants.stack.fit import FitInputs
+from tfdp_variants.stack.loss_scale import UnscaledGradients
+from tfdp_variants.stack.marker import DPOptimizerMarker
+from tfdp_variants.stack.marker import is_dp
+from tfdp_variants.stack.marker import unwrap
+from tfdp_variants.stack.model_loss import mean_reduced
+from tfdp_variants.stack.model_loss import model_losses_left
+from tfdp_variants.stack.patches import install
+from tfdp_variants.stack.serialization import class_reference
+from tfdp_variants.stack.serialization import register
+from tfdp_variants.stack.serialization import resolve_class
+from tfdp_variants.stack.version import keras
+from tfdp_variants.stack.version import KERAS_3
+from tfdp_variants.stack.version import LossScaleOptimizer
+from tfdp_variants.stack.version import OPTIMIZER_BASES
+
+
+def variable_name(var) -> str:
+  """A variable's unique name, as TensorBoard tags show it: Keras 3's path ("dense/kernel"; its
+  `name` is only "kernel"), Keras 2's name without ":0"."""
+  return getattr(var, "path", None) or var.name.split(":")[0]

@@ -1,0 +1,104 @@
+"""What `fit` of a DP model does before and around Keras' own (patched by `stack.patches`).
+
+Before the first step it refuses batches that would not split into `num_microbatches` (else the
+in-graph check stops fit at the partial last batch, after training on the earlier ones) and runs
+the engine's self-check on a synthetic batch (`preflight`). While it runs, the privacy callbacks
+can check their sampling against the data it trains on (`fit_inputs`); when it ends, the
+optimizer's ledger segment closes (`sampling.close_segment`), so that later steps without a
+privacy callback are not accounted under this fit's sampling.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from typing import Optional
+
+import tensorflow as tf
+
+from tfdp_variants import preflight
+from tfdp_variants import sampling
+from tfdp_variants.stack.marker import is_dp
+from tfdp_variants.stack.marker import unwrap
+from tfdp_variants.stack.version import keras
+
+
+class FitInputs:
+  """The data of a running `fit` of a DP model, as the privacy callbacks check it
+  (`tfdp_variants.sampling.of_fit`); `registered` is the sampling the first of them opened."""
+
+  def __init__(self, x, batch_size: Optional[int], validation_split: float):
+    self.x = x
+    self.batch_size = batch_size
+    self.validation_split = validation_split
+    self.registered = None
+    self.prechecked = False  # Whether `preflight.run` passed: the steps skip the in-step check.
+
+
+_FIT_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FitInputs.
+
+
+def fit_inputs(model) -> Optional[FitInputs]:
+  """The `FitInputs` of the fit `model` is running, else None."""
+  return _FIT_INPUTS.get(model)
+
+
+def _batch_sizes(x, batch_size: Optional[int], validation_split: float) -> Optional[set[int]]:
+  """The sizes of the batches fit will make from `x`, where its structure says (None: unknown)."""
+  if isinstance(x, tf.data.Dataset):
+    size = tf.nest.flatten(x.element_spec)[0].shape
+    if size.rank and size[0] is not None:
+      return {int(size[0])}
+    while x is not None and not hasattr(x, "_batch_size"):  # The .batch() under prefetch, map...
+      x = getattr(x, "_input_dataset", None)
+    drop = None if x is None else tf.get_static_value(x._drop_remainder)  # pylint: disable=protected-access
+    if drop is None or drop:
+      return None
+    n, b = int(x._input_dataset.cardinality()), int(x._batch_size)  # pylint: disable=protected-access
+  else:
+    shapes = [tf.TensorShape(getattr(t, "shape", None)) for t in tf.nest.flatten(x)]
+    sizes = [s[0] for s in shapes if s.rank and s[0] is not None]
+    if not sizes:
+      return None  # A generator or PyDataset: each step checks its own batch.
+    n = int(sizes[0] * (1.0 - (validation_split or 0.0)))  # Keras' split.
+    b = batch_size or 32
+  if n < 0:  # Infinite or unknown cardinality.
+    return {b}
+  return {min(b, n), n % b} - {0}
+
+
+def _refuse_partial_microbatches(microbatches: int, arguments: dict) -> None:
+  sizes = _batch_sizes(arguments.get("x"), arguments.get("batch_size"),
+                       arguments.get("validation_split", 0.0))
+  bad = sorted(size for size in sizes or () if size % microbatches)
+  if bad:
+    raise ValueError(
+        f"fit would train on batches of {bad} examples: each batch size must be a multiple "
+        f"of num_microbatches={microbatches}. Choose a batch size divisible by "
+        f"{microbatches} and drop the partial last batch (tf.data: .batch(batch_size, "
+        "drop_remainder=True); arrays: a number of examples divisible by batch_size), or set "
+        "num_microbatches=None (one per example).")
+
+
+keras_fit = keras.Model.fit
+
+
+@functools.wraps(keras_fit)
+def fit(self, *args, **kwargs):
+  """Keras' fit; for a DP optimizer, with the checks and records of the module doc."""
+  optimizer = unwrap(getattr(self, "optimizer", None))
+  if not is_dp(optimizer):
+    return keras_fit(self, *args, **kwargs)
+  arguments = inspect.signature(keras_fit).bind(self, *args, **kwargs).arguments
+  if optimizer.num_microbatches is not None:
+    _refuse_partial_microbatches(optimizer.num_microbatches, arguments)
+  inputs = _FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
+                                         arguments.get("validation_split", 0.0))
+  try:
+    inputs.prechecked = preflight.run(self, optimizer, arguments.get("x"), arguments.get("y"),
+                                      arguments.get("sample_weight"), arguments.get("batch_size"))
+    return keras_fit(self, *args, **kwargs)
+  finally:
+    del _FIT_INPUTS[self]
+    sampling.close_segment(optimizer, self.trainable_variables)

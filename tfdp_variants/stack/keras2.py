@@ -1,0 +1,141 @@
+"""Keras 2's hooks (tf-keras under `TF_USE_LEGACY_KERAS=1`, and TF 2.15's own Keras).
+
+Keras 2's `fit` calls `optimizer.minimize(loss, var_list, tape)`, so a DP optimizer computes its
+gradients from the per-example loss itself, in `_compute_gradients`; `apply_gradients` accepts
+only what it returned. Under `mixed_float16` Keras 2 wraps the optimizer in a LossScaleOptimizer,
+which multiplies the loss by its scale s before calling the inner optimizer's `compute_gradients`
+and divides the result by s: a DP optimizer finds its wrapper on the call stack
+(`loss_scale_wrapper`), divides the per-example gradients by s before clipping (so that C bounds
+the true gradients, `stack.loss_scale`), and returns its privatized gradient times s. Keras 2 has
+legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of making state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tfdp_variants import replicas
+from tfdp_variants.stack.marker import loss_scaler_calling
+from tfdp_variants.stack.version import keras
+from tfdp_variants.stack.version import LossScaleOptimizer
+
+__all__ = ["apply_gradients", "build_optimizer", "losses_broadcast", "check_step_settings",
+           "compiled_loss", "install", "is_legacy", "loss_scale_wrapper", "passes_fit_drops",
+           "remember_loss", "remembered_loss", "reported_loss", "steps_per_execution",
+           "why_no_loss", "add_state"]
+
+
+def is_legacy(cls: type) -> bool:
+  """Whether `cls` is a Keras 2 legacy optimizer class (`tf.keras.optimizers.legacy.*`)."""
+  return issubclass(cls, keras.optimizers.legacy.Optimizer)
+
+
+def add_state(optimizer, name: str, value: tf.Tensor):
+  """A non-trainable optimizer variable holding `value`, saved with the optimizer."""
+  if is_legacy(type(optimizer)):
+    return optimizer.add_weight(name, shape=value.shape, dtype=value.dtype, trainable=False,
+                                initializer=lambda *_, **__: value)
+  return optimizer.add_variable(shape=value.shape, dtype=value.dtype,
+                                initializer=lambda *_, **__: value, name=name)
+
+
+def build_optimizer(optimizer, variables) -> None:
+  """Creates the optimizer's state for `variables` before its first step (idempotent)."""
+  if is_legacy(type(optimizer)):
+    optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+  else:
+    optimizer.build(variables)
+
+
+def passes_fit_drops(epoch: int) -> int:
+  """How many passes over a tf.data dataset `fit` opens and drops before its epoch `epoch`
+  (0-based): one before the first epoch (measured), so a seeded shuffle's copy can follow."""
+  return int(epoch == 0)
+
+
+def steps_per_execution(model, who: str) -> int:
+  """The steps one call of the model's train function runs (`compile(steps_per_execution=...)`)."""
+  if model.autotune_steps_per_execution:
+    raise ValueError(f"{who} needs a fixed steps_per_execution; compile with an integer instead "
+                     "of steps_per_execution='auto'.")
+  return int(model.steps_per_execution.numpy())
+
+
+def check_step_settings(optimizer) -> None:
+  """Raises ValueError for Keras' gradient clipping under several replicas
+  (`replicas.check_keras_clipping`)."""
+  replicas.check_keras_clipping(optimizer, type(optimizer).__name__)
+
+
+def _check_aggregated(who: str, apply: Callable, args: tuple, kwargs: dict) -> None:
+  """Raises ValueError for an `apply_gradients(grads_and_vars, *args, **kwargs)` call that would
+  not sum the replicas' gradients (`skip_gradients_aggregation=True`, legacy
+  `experimental_aggregate_gradients=False`) under a strategy of several replicas: each would
+  apply its own share of the step, with a 1/√R share of its noise (`replicas`)."""
+  if replicas.count() == 1:
+    return
+  arguments = inspect.signature(apply).bind(None, *args, **kwargs).arguments
+  aggregate = arguments.get("experimental_aggregate_gradients",
+                            arguments.get("kwargs", {}).get("experimental_aggregate_gradients",
+                                                            True))
+  if arguments.get("skip_gradients_aggregation", False) or not aggregate:
+    raise ValueError(
+        f"{who}.apply_gradients was asked not to sum the gradients over the {replicas.count()} "
+        "replicas: each replica's gradient is only its share of the DP step (its examples and "
+        "1/√R of the noise). Let apply_gradients aggregate them (the default).")
+
+
+def apply_gradients(optimizer, apply: Callable, grads_and_vars, args: tuple, kwargs: dict):
+  """Keras' `apply_gradients` of the gradients `optimizer` privatized (`_guarded`), summed over
+  the replicas."""
+  _check_aggregated(type(optimizer).__name__, apply, args, kwargs)
+  pairs = list(grads_and_vars)
+  grads = optimizer._guarded([g for g, _ in pairs], [v for _, v in pairs])  # pylint: disable=protected-access
+  return apply(zip(grads, [v for _, v in pairs]), *args, **kwargs)
+
+
+def loss_scale_wrapper(inner) -> Optional[LossScaleOptimizer]:
+  """The LossScaleOptimizer around `inner` whose method is on the call stack, if any: its
+  `compute_gradients` scaled the loss before calling `inner`'s, and its `apply_gradients`
+  unscales, aggregates and passes the gradients on to `inner`'s."""
+  return loss_scaler_calling(inner)
+
+
+def remember_loss(optimizer, loss, scaled) -> None:
+  """Keras 2 never calls `scale_loss`: the loss reaches `_compute_gradients` itself."""
+  del optimizer, loss, scaled
+
+
+def remembered_loss(optimizer, grads: Sequence) -> None:
+  """Keras 2 keeps no loss: `apply_gradients` accepts only what `compute_gradients` returned."""
+  del optimizer, grads
+
+
+def why_no_loss(optimizer) -> str:
+  """Nothing to add: Keras 2's steps call `compute_gradients` with the loss."""
+  del optimizer
+  return ""
+
+
+def compiled_loss(model) -> Callable:
+  """The model's compiled loss, called as `(y, y_pred, sample_weight)`."""
+  return model.compiled_loss
+
+
+def losses_broadcast(outputs: Sequence[tf.Tensor]) -> bool:
+  """Keras 2 refuses outputs' losses of different ranks itself ("Shapes must be equal rank")."""
+  del outputs
+  return False
+
+
+def reported_loss(loss: tf.Tensor) -> tf.Tensor:
+  """Keras 2 reports the per-replica loss as it is."""
+  return loss
+
+
+def install(patch: Callable[[object, str, Callable], None]) -> None:
+  """Keras 2 needs no patch of its own (`stack.patches` has the shared ones)."""
+  del patch

@@ -1,0 +1,36 @@
+"""The patches of Keras and TensorFlow, applied once by `install()` (idempotent).
+
+Each wrapper acts only where a DP optimizer is involved (`marker.is_dp`) and is Keras' or TF's own
+method everywhere else: `Model.compute_loss` (`model_loss`), `Model.fit` (`fit`), the mixing
+layers' `call` (`eager_mixing`), TF's sparse cross entropy inside `losses.bounded_labels()` only,
+and the chosen Keras' own (`keras3.install`: `GradientTape.gradient` records its targets in
+graphs, two tf.distribute workarounds).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tfdp_variants import losses
+from tfdp_variants.stack import chosen
+from tfdp_variants.stack import eager_mixing
+from tfdp_variants.stack import fit
+from tfdp_variants.stack import model_loss
+from tfdp_variants.stack.version import keras
+
+
+def _patch(owner: object, name: str, wrapper: Callable) -> None:
+  """Sets `owner.name = wrapper` unless a wrapper of this package is already there."""
+  if getattr(getattr(owner, name), "tfdp_wrapper", False):
+    return
+  wrapper.tfdp_wrapper = True
+  setattr(owner, name, wrapper)
+
+
+def install() -> None:
+  """Applies every patch (once: a second call changes nothing)."""
+  _patch(keras.Model, "compute_loss", model_loss.compute_loss)
+  _patch(keras.Model, "fit", fit.fit)
+  eager_mixing.install(_patch)
+  losses.install(_patch)
+  chosen.install(_patch)
