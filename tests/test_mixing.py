@@ -59,6 +59,36 @@ class _RunningMean(L.Layer):
     return x - self.mean
 
 
+class _NestedRunningMean(_RunningMean):
+  """The running statistic written inside a function body (a cond's branch), then read."""
+
+  def call(self, x):
+    def update():
+      self.mean.assign(tf.reduce_mean(x, axis=0))
+      return tf.constant(0.0)
+
+    with tf.control_dependencies([tf.cond(tf.constant(True), update, lambda: tf.constant(0.0))]):
+      return x - self.mean
+
+  def compute_output_shape(self, shape):
+    return shape
+
+
+class _ChainedMean(L.Layer):
+  """The batch mean written to one variable, copied (scaled) to a second, which the loss reads."""
+
+  def build(self, shape):
+    self.first = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False,
+                                 name="first")
+    self.second = self.add_weight(shape=(shape[-1],), initializer="zeros", trainable=False,
+                                  name="second")
+
+  def call(self, x):
+    self.first.assign(tf.reduce_mean(x, axis=0))
+    self.second.assign(2.0 * self.first)
+    return x - self.second
+
+
 _MIXING = {
     "stop_gradient": (lambda: [L.Dense(3), _StopGradientCenter(name="sg_center"), L.Dense(2)],
                       False, "sg_center"),
@@ -68,6 +98,10 @@ _MIXING = {
                     True, "max_id"),
     "running_mean": (lambda: [L.Dense(3), _RunningMean(name="running"), L.Dense(2)], False,
                      "running"),
+    "nested_running_mean": (lambda: [L.Dense(3), _NestedRunningMean(name="nested"), L.Dense(2)],
+                            False, ""),
+    "chained_mean": (lambda: [L.Dense(3), _ChainedMean(name="chained"), L.Dense(2)], False,
+                     "chained"),
 }
 
 

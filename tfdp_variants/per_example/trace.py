@@ -610,13 +610,14 @@ DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGet
                           "MultiDeviceIteratorGetNextFromShard"})
 _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
-# How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` the values
-# assigned to the variables the ops read; `constants` (a batch size) treats captured tensors and
-# constants with that many rows as data.
-_Mode = tuple[bool, bool, Optional[int]]
+# How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` (a number of
+# hops) the values assigned to the variables the ops read; `constants` (a batch size) treats
+# captured tensors and constants with that many rows as data.
+_Mode = tuple[bool, int, Optional[int]]
+_ASSIGN_HOPS = 3  # v3 ← v2 ← v1 ← the batch is followed; a longer chain is not.
 # The rules' proofs: bodies followed (a looped RNN's outputs feed its Dense head), assigns not
 # (`loss_info` refuses those).
-_AXES: _Mode = (True, False, None)
+_AXES: _Mode = (True, 0, None)
 _MEMO: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 # Tensors that the DP mechanism released (the noised update): post-processing mixes nothing.
 _RELEASED: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
@@ -779,31 +780,57 @@ _WRITE_FIX = (" (a running statistic written in call, weights perturbed with the
               "and the example alone)")
 
 
+# Where a function-calling op's body inputs start among the op's inputs (If: after the predicate).
+_BODY_INPUTS = {"f": 0, "then_branch": 1, "else_branch": 1, "body": 0}
+
+
+def _writes(handle: tf.Tensor, memo: dict, depth: int = 0
+            ) -> Iterator[tuple[tf.Operation, tf.Tensor, dict]]:
+  """The assignments to the variable `handle` refers to: (writer, written value, the memo to
+  analyse the value in), in `handle`'s graph and in the function bodies (calls, branches, loops)
+  it is passed to, however deeply nested."""
+  for consumer in handle.consumers():
+    if consumer.type in _ASSIGNS:
+      yield from ((consumer, v, memo) for v in consumer.inputs if v.dtype != tf.resource)
+      continue
+    if depth > 8:
+      continue
+    for attr, offset in _BODY_INPUTS.items():
+      body = function_graph(consumer, attr)
+      if body is None or len(body.inputs) + offset != len(consumer.inputs):
+        continue
+      seed = {p.name: _analyse(t, memo) for p, t in zip(body.inputs, consumer.inputs[offset:])}
+      sub = {"mode": memo["mode"], "seed": seed}
+      for k, t in enumerate(consumer.inputs[offset:]):
+        if t is handle:
+          yield from _writes(body.inputs[k], sub, depth + 1)
+
+
 def _assigned(op: tf.Operation, memo: dict) -> Info:
-  """What the values assigned, in this graph, to the variables `op` reads bring into its result
-  (their reads are taken plain: `assigns` off)."""
+  """What the values assigned to the variables `op` reads (in this graph or in the function bodies
+  the variables are passed to) bring into its result. The written values are analysed with one
+  hop of assignments fewer (`assigns` counts the hops), so a chain v1 ← batch, v2 ← v1 is followed
+  to a depth of `_ASSIGN_HOPS`, and a variable written from itself terminates."""
   mode = memo["mode"]
-  plain = _graph_memo(op.graph, (mode[0], False, mode[2])) if "seed" not in memo else (
-      memo.setdefault("plain", {"mode": (mode[0], False, mode[2]), "seed": memo["seed"]}))
+  hops = (mode[0], mode[1] - 1, mode[2])
+  plain = _graph_memo(op.graph, hops) if "seed" not in memo else (
+      memo.setdefault(("plain", hops), {"mode": hops, "seed": memo["seed"]}))
   result = NO_BATCH
   for handle in op.inputs:
     if handle.dtype != tf.resource:
       continue
-    for writer in handle.consumers():
-      if writer.type not in _ASSIGNS or writer is op:
+    for writer, value, where in _writes(handle, plain):
+      if writer is op:
         continue
-      for value in writer.inputs:
-        if value.dtype == tf.resource:
-          continue
-        info = _analyse(value, plain)
-        if isinstance(info, Mixed):
-          return Mixed(writer, f"writes a value mixing several examples (from {info.describe()}) "
-                       f"to a variable that the loss reads{_WRITE_FIX}")
-        if info is None:
-          result = None
-        elif info.axis is not None:
-          return Mixed(writer, "writes a value computed from the batch to a variable that the "
-                       f"loss reads{_WRITE_FIX}")
+      info = _analyse(value, where)
+      if isinstance(info, Mixed):
+        return Mixed(writer, f"writes a value mixing several examples (from {info.describe()}) "
+                     f"to a variable that the loss reads{_WRITE_FIX}")
+      if info is None:
+        result = None
+      elif info.axis is not None:
+        return Mixed(writer, "writes a value computed from the batch to a variable that the "
+                     f"loss reads{_WRITE_FIX}")
   return result
 
 
@@ -904,7 +931,7 @@ def loss_info(loss: tf.Tensor, constants: Optional[int] = None) -> Info:
   """`loss`'s info in the deep mode: function bodies, If and While, TensorLists, and the values
   assigned to the variables it reads; with `constants` (the batch size), captured tensors and
   constants with that many rows count as data (a step that closes over its batch)."""
-  return _analyse(loss, _graph_memo(loss.graph, (True, True, constants)))
+  return _analyse(loss, _graph_memo(loss.graph, (True, _ASSIGN_HOPS, constants)))
 
 
 # ---------------------------------------------------------------------------------------------
