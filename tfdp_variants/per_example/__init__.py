@@ -1,8 +1,8 @@
 """Per-example gradient machinery, apart from the optimizers that use it (as in Opacus)."""
 
-from tfdp_variants.per_example.engine import PerExampleGradients
 from tfdp_variants.per_example.engine import as_tf_variable
 from tfdp_variants.per_example.engine import compute
 from tfdp_variants.per_example.engine import per_example_gradients
+from tfdp_variants.per_example.gradients import PerExampleGradients
 
 __all__ = ["PerExampleGradients", "as_tf_variable", "compute", "per_example_gradients"]

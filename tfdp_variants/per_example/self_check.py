@@ -1,4 +1,4 @@
-"""The engine's self-check (SPEC §6): exact per-microbatch gradients on the first step of a trace.
+"""The engine's self-check: exact per-microbatch gradients on the first step of a trace.
 
 The engine's result rests on proofs about the traced graph (row grouping, per-op rules) and on TF's
 vectorization (pfor); either can be wrong for a model nobody tested. So on the first step after
@@ -23,7 +23,7 @@ What it cannot see, by design: microbatches other than the first and the last; t
 inner products (NoisyGradient's projected noise), which `tests/test_per_example.py` ties to the
 materialized gradients; variables whose gradient came from a tape loop (exact, no pfor).
 
-Mixing is refused statically, at trace time, on the graph's structure (SPEC §6), never on values:
+Mixing is refused statically, at trace time, on the graph's structure, never on values:
 `refuse_in_loss` runs `refuse_batch_statistics` (batch normalization in training mode among the
 ops the loss depends on, in `tf.function`s and eagerly alike) and `trace.loss_info`, which proves
 that each example's loss depends on its example alone, or finds the op that mixes examples (behind
@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
-from typing import Iterator, Optional, Sequence, TYPE_CHECKING
+from typing import Iterator, Optional, Sequence
 
 from absl import logging
 import numpy as np
@@ -50,9 +50,8 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.gradients import PerExampleGradients
 
-if TYPE_CHECKING:
-  from tfdp_variants.per_example.engine import PerExampleGradients
 
 MIXING = ("examples are mixed by the model (e.g. BatchNormalization or a custom layer computing "
           "batch statistics): {}. The loss of one example then depends on the other examples of "

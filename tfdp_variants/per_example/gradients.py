@@ -1,0 +1,93 @@
+"""`PerExampleGradients`: what the engine returns and the algorithms read (a leaf: the engine and
+its self-check both build it)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import factors as F
+
+Weights = tf.Tensor | Sequence[tf.Tensor]
+
+
+class PerExampleGradients:
+  """Per-microbatch gradients g_m of `variables`, m < num_microbatches, mostly kept factored.
+
+  Microbatch m holds examples [m·B/M, (m+1)·B/M) and g_m is the gradient of their mean loss (TF
+  Privacy's semantics).
+  """
+
+  def __init__(self, variables: Sequence[tf.Variable], factors: Sequence[F.Factor],
+               num_microbatches: tf.Tensor, squared_norms: Optional[list[tf.Tensor]] = None,
+               all_finite: Optional[tf.Tensor] = None):
+    self.variables = list(variables)
+    self.factors = list(factors)
+    self.num_microbatches = num_microbatches
+    self.self_check_flag: Optional[tf.Variable] = None  # Set by `self_check.guard`.
+    # Whether every g_m was finite before `finite_only` zeroed the others (else None).
+    self.all_finite = all_finite
+    self._squared_norms = squared_norms
+
+  @property
+  def rules(self) -> list[str]:
+    """The rule each variable took: "outer", "rowsum", "gather" or "fallback"."""
+    return [f.rule for f in self.factors]
+
+  def squared_norms(self) -> list[tf.Tensor]:
+    """||g_m^k||² for each variable k, each of shape (M,), in float64 (no overflow for any
+    finite float32 gradient; +inf for a non-finite one, 0 after `finite_only`)."""
+    if self._squared_norms is None:
+      self._squared_norms = [f.squared_norms() for f in self.factors]
+    return self._squared_norms
+
+  def global_norms(self) -> tf.Tensor:
+    """||g_m||₂ over all variables together, shape (M,), float64."""
+    return tf.sqrt(tf.add_n(self.squared_norms()))
+
+  def finite_only(self) -> "PerExampleGradients":
+    """These gradients with every non-finite g_m (an inf or NaN anywhere in it) replaced by zero,
+    so that it contributes nothing on any path (every example's contribution is bounded, whatever its
+    values, and no NaN or error depends on them)."""
+    squared = self.squared_norms()
+    keep = tf.math.is_finite(tf.add_n(squared))
+    zero = tf.zeros([], tf.float64)
+    return type(self)(self.variables, [f.masked(keep) for f in self.factors],
+                      self.num_microbatches, [tf.where(keep, s, zero) for s in squared],
+                      tf.reduce_all(keep))
+
+  def weighted_sum(self, weights: Weights) -> list[tf.Tensor]:
+    """Σ_m w_m g_m per variable; `weights` is one (M,) vector or one per variable."""
+    if isinstance(weights, (list, tuple)):
+      return [f.weighted_sum(w) for f, w in zip(self.factors, weights)]
+    return [f.weighted_sum(weights) for f in self.factors]
+
+  def gram(self) -> tf.Tensor:
+    """(M, M) inner products ⟨g_m, g_n⟩ over all variables together."""
+    return tf.add_n([f.gram() for f in self.factors])
+
+  def dots(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """(M,) inner products ⟨g_m, x⟩ with `tensors` x, one per variable."""
+    return tf.add_n([f.dots(x) for f, x in zip(self.factors, tensors)])
+
+  def materialize(self, start=0, stop=None) -> list[tf.Tensor]:
+    """g_m for m in [start, stop), each of shape (stop - start, *var.shape)."""
+    return [f.materialize(start, stop) for f in self.factors]
+
+  def reduce_chunks(self, fn: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+                    chunk_size: int = 32) -> list[tf.Tensor]:
+    """Σ over chunks of `fn(materialized chunk)`, holding at most `chunk_size` g_m at a time.
+
+    `fn` maps a list of (c, *var.shape) tensors to a list of var-shaped sums; use it when an
+    algorithm needs the gradients elementwise (noise before clipping, a tanh filter).
+    """
+    m = tf.cast(self.num_microbatches, tf.int32)
+    init = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+
+    def body(start, acc):
+      part = fn(self.materialize(start, tf.minimum(start + chunk_size, m)))
+      return start + chunk_size, [a + p for a, p in zip(acc, part)]
+
+    _, total = tf.while_loop(lambda start, _: start < m, body, (tf.constant(0), init))
+    return total
