@@ -8,7 +8,8 @@ TF 2.15 + Keras 2) is in this package, and nothing outside it asks which Keras r
 - `model_loss`, `fit`, `eager_mixing`: what a DP model's `compute_loss`, `fit` and mixing layers
   do differently; `patches.install()` applies them (idempotent, called by `tfdp_variants`);
 - `loss_scale`: per-example gradients of a scaled loss (Keras 2's mixed precision);
-- `serialization`: one registered name for every DP optimizer class.
+- `serialization`: one registered name for every DP optimizer class; `settings`: Keras optimizer
+  settings a DP step refuses.
 
 Supporting a new Keras version is a new hooks module beside `keras3.py` and a line in `chosen`.
 """
@@ -17,7 +18,6 @@ Supporting a new Keras version is a new hooks module beside `keras3.py` and a li
 from tfdp_variants.stack.chosen import add_state
 from tfdp_variants.stack.chosen import apply_gradients
 from tfdp_variants.stack.chosen import build_optimizer
-from tfdp_variants.stack.chosen import check_step_settings
 from tfdp_variants.stack.chosen import is_legacy
 from tfdp_variants.stack.chosen import loss_scale_wrapper
 from tfdp_variants.stack.chosen import passes_fit_drops
@@ -38,6 +38,7 @@ from tfdp_variants.stack.patches import install
 from tfdp_variants.stack.serialization import class_reference
 from tfdp_variants.stack.serialization import register
 from tfdp_variants.stack.serialization import resolve_class
+from tfdp_variants.stack.settings import check_step_settings
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import KERAS_3
 from tfdp_variants.stack.version import LossScaleOptimizer

@@ -22,10 +22,10 @@ from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
 
-__all__ = ["apply_gradients", "build_optimizer", "losses_broadcast", "check_step_settings",
-           "compiled_loss", "install", "is_legacy", "loss_scale_wrapper", "passes_fit_drops",
+__all__ = ["add_state", "apply_gradients", "build_optimizer", "compiled_loss", "install",
+           "is_legacy", "loss_scale_wrapper", "losses_broadcast", "passes_fit_drops",
            "remember_loss", "remembered_loss", "reported_loss", "steps_per_execution",
-           "why_no_loss", "add_state"]
+           "why_no_loss"]
 
 
 def is_legacy(cls: type) -> bool:
@@ -62,12 +62,6 @@ def steps_per_execution(model, who: str) -> int:
     raise ValueError(f"{who} needs a fixed steps_per_execution; compile with an integer instead "
                      "of steps_per_execution='auto'.")
   return int(model.steps_per_execution.numpy())
-
-
-def check_step_settings(optimizer) -> None:
-  """Raises ValueError for Keras' gradient clipping under several replicas
-  (`replicas.check_keras_clipping`)."""
-  replicas.check_keras_clipping(optimizer, type(optimizer).__name__)
 
 
 def _check_aggregated(who: str, apply: Callable, args: tuple, kwargs: dict) -> None:

@@ -30,10 +30,10 @@ from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
 
-__all__ = ["apply_gradients", "build_optimizer", "losses_broadcast", "check_step_settings",
-           "compiled_loss", "install", "is_legacy", "loss_scale_wrapper", "passes_fit_drops",
+__all__ = ["add_state", "apply_gradients", "build_optimizer", "compiled_loss", "install",
+           "is_legacy", "loss_scale_wrapper", "losses_broadcast", "passes_fit_drops",
            "remember_loss", "remembered_loss", "reported_loss", "steps_per_execution",
-           "why_no_loss", "add_state"]
+           "why_no_loss"]
 
 
 def is_legacy(cls: type) -> bool:
@@ -64,19 +64,6 @@ def steps_per_execution(model, who: str) -> int:
   """The steps one call of the model's train function runs (`compile(steps_per_execution=...)`)."""
   del who
   return int(model.steps_per_execution)
-
-
-def check_step_settings(optimizer) -> None:
-  """Raises ValueError for Keras optimizer settings a DP step cannot honour: `loss_scale_factor`
-  (`apply` would divide the private gradient, computed at the loss' true scale, by it) and Keras'
-  gradient clipping under several replicas (`replicas.check_keras_clipping`)."""
-  who = type(optimizer).__name__
-  if optimizer.loss_scale_factor is not None:
-    raise ValueError(f"{who}.loss_scale_factor is {optimizer.loss_scale_factor!r}, which DP "
-                     "optimizers do not support: the per-example gradients are clipped at their "
-                     "true scale, and Keras would divide the private update by the factor. Set "
-                     "it back to None.")
-  replicas.check_keras_clipping(optimizer, who)
 
 
 def apply_gradients(optimizer, apply: Callable, grads_and_vars, args: tuple, kwargs: dict):
