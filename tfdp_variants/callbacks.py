@@ -544,16 +544,8 @@ class LayerNormLogger(tf.keras.callbacks.Callback):
     self._norms_fn = None
 
   def on_train_begin(self, logs=None):
-    model, loss_fn = self.model, self.loss_fn
-    num_microbatches = _dp_optimizer(model, "LayerNormLogger").num_microbatches
-
-    @tf.function
-    def norms(x, y):
-      losses = loss_fn(y, model(x, training=True))
-      grads = per_example.compute(losses, model.trainable_variables, num_microbatches)
-      return [tf.sqrt(s) for s in grads.squared_norms()]
-
-    self._norms_fn = norms
+    num_microbatches = _dp_optimizer(self.model, "LayerNormLogger").num_microbatches
+    self._norms_fn = per_example.norms_function(self.model, self.loss_fn, num_microbatches)
 
   def on_epoch_end(self, epoch, logs=None):
     if (epoch + 1) % self.every_n_epochs:

@@ -215,10 +215,5 @@ def initial_l2_norm_clips_from_noise(
     inputs = rng.random((batch_size, *model.input_shape[1:]), dtype=np.float32)
   labels = rng.integers(0, num_classes, len(inputs))
 
-  @tf.function
-  def mean_norms(x, y):
-    losses = loss_fn(y, model(x, training=True))
-    grads = per_example.compute(losses, model.trainable_variables)
-    return [tf.reduce_mean(tf.sqrt(s)) for s in grads.squared_norms()]
-
-  return [float(n) for n in mean_norms(tf.constant(inputs), tf.constant(labels))]
+  norms = per_example.norms_function(model, loss_fn)(tf.constant(inputs), tf.constant(labels))
+  return [float(tf.reduce_mean(n)) for n in norms]

@@ -2,7 +2,9 @@
 
 from tfdp_variants.per_example.engine import as_tf_variable
 from tfdp_variants.per_example.engine import compute
+from tfdp_variants.per_example.engine import norms_function
 from tfdp_variants.per_example.engine import per_example_gradients
 from tfdp_variants.per_example.gradients import PerExampleGradients
 
-__all__ = ["PerExampleGradients", "as_tf_variable", "compute", "per_example_gradients"]
+__all__ = ["PerExampleGradients", "as_tf_variable", "compute", "norms_function",
+           "per_example_gradients"]

@@ -192,10 +192,26 @@ def per_example_gradients(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, t
     >>> [tuple(g.shape) for g in grads]
     [(4, 3, 2), (4, 2)]
   """
+  return _traced(model, loss_fn, num_microbatches, self_check,
+                 PerExampleGradients.materialize)(x, y)
+
+
+def norms_function(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
+                   num_microbatches: Optional[int] = None) -> Callable:
+  """A `tf.function` (x, y) -> ||g_m^k|| per trainable variable k, each of shape (M,), float64:
+  the per-layer norms the algorithms clip, from one forward pass in training mode (as
+  `per_example_gradients`)."""
+  return _traced(model, loss_fn, num_microbatches, True,
+                 lambda grads: [tf.sqrt(s) for s in grads.squared_norms()])
+
+
+def _traced(model, loss_fn, num_microbatches, self_check, read) -> Callable:
+  """The `tf.function` (x, y) -> `read(compute(loss_fn(y, model(x)), ...))`."""
+
   @tf.function
   def run(x, y):
     losses = loss_fn(y, model(x, training=True))
-    return compute(losses, model.trainable_variables, num_microbatches,
-                   self_check=self_check).materialize()
+    return read(compute(losses, model.trainable_variables, num_microbatches,
+                        self_check=self_check))
 
-  return run(x, y)
+  return run
