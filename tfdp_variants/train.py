@@ -245,15 +245,7 @@ def main(argv):
   strategy = make_strategy(_STRATEGY.value, _CPU_REPLICAS.value)
   replicas = 1 if strategy is None else strategy.num_replicas_in_sync
   poisson = _SAMPLING.value == "poisson"
-  if poisson and _MICRO.value is not None:
-    raise app.UsageError("--sampling=poisson draws batches of random size, which cannot be split "
-                         "into --num_microbatches equal parts: leave --num_microbatches unset (one "
-                         "per example), or use --sampling=shuffle.")
-  if _MICRO.value is not None and replicas > 1 and (_MICRO.value % replicas
-                                                     or _BATCH.value % _MICRO.value):
-    raise app.UsageError(f"The strategy splits each batch and its --num_microbatches among "
-                         f"{replicas} replicas: choose --num_microbatches a multiple of {replicas} "
-                         f"that divides --batch_size, or leave it unset (one per example).")
+  _check_microbatch_flags(poisson, replicas)
   tf.keras.utils.set_random_seed(_SEED.value)  # Initialisation and shuffling; not the DP noise.
   (x_train, y_train), (x_test, y_test) = data.load(_DATASET.value, _PREPROCESSING.value)
   n, batch = len(y_train), _BATCH.value
@@ -266,17 +258,7 @@ def main(argv):
   if _ALGORITHM.value == "layered_clip" and not {"beta", "total_steps"} & set(options):
     options["total_steps"] = total_steps  # β = 1/T², the paper's choice.
 
-  if strategy is None:
-    print("Strategy: none (one device).", flush=True)
-  else:
-    worker = ""
-    if _STRATEGY.value == "multi_worker":
-      resolver = strategy.cluster_resolver
-      worker = (f", this process {resolver.task_type} {resolver.task_id}"
-                f"{' (chief)' if is_chief(strategy) else ''}")
-    print(f"Strategy: {_STRATEGY.value} ({type(strategy).__name__}), {replicas} replicas"
-          f"{worker}; global batch {batch}, about {batch / replicas:g} examples per replica.",
-          flush=True)
+  _print_strategy(strategy, batch)
 
   name = model_name(_MODEL.value, x_train.shape[1:])
   num_classes = int(max(y_train.max(), y_test.max())) + 1
@@ -291,16 +273,7 @@ def main(argv):
   # Model, optimizer and compile inside the strategy's scope, so its variables are mirrored.
   with strategy.scope() if strategy is not None else contextlib.nullcontext():
     model = models.get(name, x_train.shape[1:], num_classes)
-    sigma = _SIGMA.value
-    if _TARGET.value is not None:
-      nominal = optimizer_at(1.0).privacy_guarantee != "certified"
-      sigma = sampling_lib.noise_multiplier_for(_TARGET.value, sampling, total_steps,
-                                                _DELTA.value, optimizer_at, _ACCOUNTING.value,
-                                                model.trainable_variables, nominal=nominal)
-      kind = "nominal (this algorithm has no certified ε)" if nominal else "certified"
-      print(f"Calibrated noise_multiplier σ = {sigma:.4f} for {kind} ε = {_TARGET.value} after "
-            f"{total_steps} steps ({sampling.describe()}, q = {q:.4f}, δ = {_DELTA.value}).",
-            flush=True)
+    sigma = _noise_multiplier(optimizer_at, sampling, total_steps, model)
     optimizer = optimizer_at(sigma)
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(
@@ -321,30 +294,13 @@ def main(argv):
     config["audit"] = audit_before_training(
         lambda: optimizer_at(sigma), sampling, strategy, _STRATEGY.value, _MICRO.value,
         _OPTIMIZER.value, _AUDIT_TRIALS.value, _DELTA.value)
-    if config["audit"]["verdict"] == "VIOLATION":
-      if chief:
-        os.makedirs(logdir, exist_ok=True)
-        with open(os.path.join(logdir, "summary.json"), "w") as f:
-          json.dump({**config, "trained": False}, f, indent=2)
-      sys.exit(f"--audit found a VIOLATION: the canary's bounds exceed what this optimizer "
-               f"certifies ({config['audit']['claim']}), so its code does not match its "
-               f"guarantee. Training stopped before it began. A correct optimizer is flagged with "
-               f"probability ≤ {AUDIT_ALPHA:g}: rerun with more --audit_trials to confirm, and do "
-               f"not train with this configuration until it is fixed.")
+    _stop_on_violation(config, logdir, chief)
   # Every worker logs (TensorBoard's callback and the privacy logger run on all of them); the
   # others write to a temporary directory, removed at the end.
   write_dir = logdir if chief else tempfile.mkdtemp(prefix="tfdp_variants_worker_")
   logger = callbacks.PrivacyLogger(delta=_DELTA.value, log_dir=os.path.join(write_dir, "privacy"),
                                    method=_ACCOUNTING.value, sampling=sampling)
-  fit_steps = None
-  if poisson and replicas > 1:
-    train = data.poisson_per_replica(strategy, x_train, y_train, q, steps_per_epoch)
-    fit_steps = steps_per_epoch  # The dataset is endless.
-  elif poisson:
-    train = data.poisson_dataset(x_train, y_train, q, steps_per_epoch)
-  else:  # Under a strategy each global batch is split among the replicas (workers shuffle alike).
-    train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
-        n, seed=_SEED.value).batch(batch, drop_remainder=drop)
+  train, fit_steps = _training_data(strategy, sampling, x_train, y_train, steps_per_epoch, drop)
   try:
     history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=fit_steps, shuffle=False,
                         verbose=1 if sys.stdout.isatty() else 2,
@@ -370,6 +326,80 @@ def main(argv):
         f"{_DELTA.value} ({optimizer.privacy_guarantee}: {type(optimizer).__name__}, σ = "
         f"{sigma:.3f}, C = {_CLIP.value}, {sampling.describe()}, q = {q:.4f}, "
         f"{summary['steps']} steps; nominal ε = {logger.epsilon_nominal:.3f}). {where}.")
+
+
+def _noise_multiplier(optimizer_at: Callable[[float], object], sampling: sampling_lib.Sampling,
+                      total_steps: int, model: tf.keras.Model) -> float:
+  """--noise_multiplier, or the σ that reaches --target_epsilon after `total_steps` (certified ε;
+  nominal for an algorithm without one)."""
+  if _TARGET.value is None:
+    return _SIGMA.value
+  nominal = optimizer_at(1.0).privacy_guarantee != "certified"
+  sigma = sampling_lib.noise_multiplier_for(_TARGET.value, sampling, total_steps, _DELTA.value,
+                                            optimizer_at, _ACCOUNTING.value,
+                                            model.trainable_variables, nominal=nominal)
+  kind = "nominal (this algorithm has no certified ε)" if nominal else "certified"
+  print(f"Calibrated noise_multiplier σ = {sigma:.4f} for {kind} ε = {_TARGET.value} after "
+        f"{total_steps} steps ({sampling.describe()}, q = {sampling.sampling_probability:.4f}, "
+        f"δ = {_DELTA.value}).", flush=True)
+  return sigma
+
+
+def _check_microbatch_flags(poisson: bool, replicas: int) -> None:
+  """Refuses --num_microbatches with Poisson batches, or one the replicas cannot share."""
+  if poisson and _MICRO.value is not None:
+    raise app.UsageError("--sampling=poisson draws batches of random size, which cannot be split "
+                         "into --num_microbatches equal parts: leave --num_microbatches unset (one "
+                         "per example), or use --sampling=shuffle.")
+  if _MICRO.value is not None and replicas > 1 and (_MICRO.value % replicas
+                                                     or _BATCH.value % _MICRO.value):
+    raise app.UsageError(f"The strategy splits each batch and its --num_microbatches among "
+                         f"{replicas} replicas: choose --num_microbatches a multiple of {replicas} "
+                         f"that divides --batch_size, or leave it unset (one per example).")
+
+
+def _print_strategy(strategy: Optional[tf.distribute.Strategy], batch: int) -> None:
+  if strategy is None:
+    print("Strategy: none (one device).", flush=True)
+    return
+  worker = ""
+  if _STRATEGY.value == "multi_worker":
+    resolver = strategy.cluster_resolver
+    worker = (f", this process {resolver.task_type} {resolver.task_id}"
+              f"{' (chief)' if is_chief(strategy) else ''}")
+  replicas = strategy.num_replicas_in_sync
+  print(f"Strategy: {_STRATEGY.value} ({type(strategy).__name__}), {replicas} replicas"
+        f"{worker}; global batch {batch}, about {batch / replicas:g} examples per replica.",
+        flush=True)
+
+
+def _stop_on_violation(config: dict, logdir: str, chief: bool) -> None:
+  """Exits before training when --audit found a VIOLATION (summary.json says trained: false)."""
+  if config["audit"]["verdict"] != "VIOLATION":
+    return
+  if chief:
+    os.makedirs(logdir, exist_ok=True)
+    with open(os.path.join(logdir, "summary.json"), "w") as f:
+      json.dump({**config, "trained": False}, f, indent=2)
+  sys.exit(f"--audit found a VIOLATION: the canary's bounds exceed what this optimizer "
+           f"certifies ({config['audit']['claim']}), so its code does not match its "
+           f"guarantee. Training stopped before it began. A correct optimizer is flagged with "
+           f"probability ≤ {AUDIT_ALPHA:g}: rerun with more --audit_trials to confirm, and do "
+           f"not train with this configuration until it is fixed.")
+
+
+def _training_data(strategy, sampling: sampling_lib.Sampling, x, y, steps_per_epoch: int,
+                   drop: bool) -> tuple:
+  """(the dataset fit trains on, its steps_per_epoch or None): Poisson batches (per replica under
+  a strategy: an endless dataset), or shuffled batches, which a strategy splits among its replicas
+  (the workers shuffle alike)."""
+  q = sampling.sampling_probability
+  if sampling.kind == "poisson" and strategy is not None and strategy.num_replicas_in_sync > 1:
+    return data.poisson_per_replica(strategy, x, y, q, steps_per_epoch), steps_per_epoch
+  if sampling.kind == "poisson":
+    return data.poisson_dataset(x, y, q, steps_per_epoch), None
+  return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(y), seed=_SEED.value).batch(
+      int(sampling.batch_size), drop_remainder=drop), None
 
 
 if __name__ == "__main__":
