@@ -92,13 +92,10 @@ class _Summaries:
 
 def _dp_optimizer(model: tf.keras.Model, who: str) -> DPOptimizerMixin:
   """The model's DP optimizer, also when Keras wraps it (mixed precision's LossScaleOptimizer)."""
-  optimizer = model.optimizer
-  inner = getattr(optimizer, "inner_optimizer", None)
-  if not isinstance(optimizer, DPOptimizerMixin) and isinstance(inner, DPOptimizerMixin):
-    optimizer = inner
+  optimizer = stack.unwrap(model.optimizer)
   if not isinstance(optimizer, DPOptimizerMixin):
     raise TypeError(f"{who} needs a tfdp_variants DP optimizer (e.g. tfdp_variants.DPAdam), but "
-                    f"the model is compiled with {type(optimizer).__name__}.")
+                    f"the model is compiled with {type(model.optimizer).__name__}.")
   return optimizer
 
 

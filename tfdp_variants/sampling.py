@@ -50,14 +50,15 @@ ADJACENCY = {"poisson": "add/remove one example", "shuffle": "replace one exampl
 
 
 class StepEvents(Protocol):
-  """What a DP optimizer says of one step (`tfdp_variants.optimizers.DPOptimizerMixin`)."""
+  """What a DP optimizer says of one step (`tfdp_variants.optimizers.DPOptimizerMixin`, whose
+  signatures these are)."""
 
   def step_event(self, sampling_probability: float, batch_size: Optional[float] = None, *,
-                 num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-                 ) -> Optional[dp_accounting.DpEvent]: ...
+                 replace_one: bool = False, num_layers: Optional[int] = None,
+                 num_parameters: Optional[int] = None) -> Optional[dp_accounting.DpEvent]: ...
 
   def nominal_step_event(self, sampling_probability: float, batch_size: Optional[float] = None,
-                         *, num_layers: Optional[int] = None,
+                         *, replace_one: bool = False, num_layers: Optional[int] = None,
                          num_parameters: Optional[int] = None) -> dp_accounting.DpEvent: ...
 
   def mechanism_event(self, batch_size: Optional[float] = None, *, replace_one: bool = False,
