@@ -26,8 +26,12 @@ gradient clipping layer registry, its best path) run only where
 tensorflow_privacy is installed (the TF 2.15 leg). The CNN's rows show the targets of issues 2, 3
 and 7.
 
+`--baseline=DIR` times every row but the non-private one a second time with the package imported
+from DIR (a copy of an older `tfdp_variants`, e.g. `git archive HEAD tfdp_variants | tar -x -C DIR`),
+right after the same row of this tree: a before/after comparison on the same load.
+
   python bench/step_time.py [--models=cnn,mlp,text] [--batch_size=cnn=64,mlp=512 | --batch_size=64]
-      [--steps=10] [--tf_privacy_steps=2] [--skip_tf_privacy] [--only=dpadam,...]
+      [--steps=10] [--tf_privacy_steps=2] [--skip_tf_privacy] [--only=dpadam,...] [--baseline=DIR]
 """
 
 from __future__ import annotations
@@ -141,6 +145,9 @@ _TFP_STEPS = flags.DEFINE_integer("tf_privacy_steps", 2,
                                   "(~40 s a step for the CNN on 2 cores), after 1 warm-up step.")
 _SKIP_TFP = flags.DEFINE_bool("skip_tf_privacy", False, "Leave out TF Privacy's rows.")
 _ONLY = flags.DEFINE_list("only", [], "Run only these row keys (and the non-private baseline).")
+_BASELINE = flags.DEFINE_string("baseline", None,
+                                "A directory holding an older tfdp_variants package: each row but "
+                                "the non-private one is also timed with it, labelled (baseline).")
 _ROW = flags.DEFINE_string("row", None, "Time this one row in this process; print one JSON line.")
 _MODEL = flags.DEFINE_string("model", None, "With --row: the model.")
 
@@ -282,7 +289,7 @@ def time_row(row: Row, workload: Workload, b: int, steps: int, warmup: int) -> d
     times.append(time.perf_counter() - start)
   return dict(ms=1e3 * float(np.median(times)), first_ms=1e3 * first, params=model.count_params(),
               peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              note=_path_note(model))
+              note=_path_note(model), package=os.path.dirname(tfdp_variants.__file__))
 
 
 def run_one_row() -> None:
@@ -293,12 +300,16 @@ def run_one_row() -> None:
   print(json.dumps(time_row(row, WORKLOADS[_MODEL.value], b, steps, warmup)), flush=True)
 
 
-def launch(row: Row, model: str, b: int) -> dict:
-  """Parent: time `row` on `model` in a fresh process; its JSON result, or {"error": ...}."""
+def launch(row: Row, model: str, b: int, package_dir: Optional[str] = None) -> dict:
+  """Parent: time `row` on `model` in a fresh process, importing tfdp_variants from
+  `package_dir` if given; its JSON result, or {"error": ...}."""
   command = [sys.executable, os.path.abspath(__file__), f"--row={row.key}", f"--model={model}",
              f"--batch_size={b}", f"--steps={_STEPS.value}",
              f"--tf_privacy_steps={_TFP_STEPS.value}"]
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+  if package_dir:
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(package_dir),
+                                                     env.get("PYTHONPATH")]))
   done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
   lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
   if done.returncode or not lines:
@@ -321,26 +332,28 @@ def _ratio(ms: float, base: Optional[float]) -> str:
   return f"{ms / base:.2f}" if base else ""
 
 
-def table(model: str, b: int, todo: list[Row], results: dict[str, dict]) -> list[str]:
-  """The markdown table of one model's rows."""
+def table(model: str, b: int, todo: list[tuple[str, Row]],
+          results: dict[str, dict]) -> list[str]:
+  """The markdown table of one model's rows; `todo` holds (result key, row) pairs."""
   ms = {k: r["ms"] for k, r in results.items() if "ms" in r}
-  tfp = {k: v for k, v in ms.items() if _row(k).tf_privacy}
+  tfp = {k: ms[k] for k, row in todo if k in ms and row.tf_privacy}
   best = min(tfp, key=tfp.get) if tfp else None
   params = next((f"{r['params']:,}" for r in results.values() if "params" in r), "?")
   lines = [f"### {model}: {WORKLOADS[model].description} ({params} parameters), "
            f"batch {b}" + (f"; TF Privacy best: {_row(best).label}" if best else ""), "",
            "| optimizer | ms/step | × non-private | × TF Privacy best | target | first step, ms "
            "| peak RSS, GiB | note |", "|---|---:|---:|---:|---|---:|---:|---|"]
-  for row in todo:
-    result = results[row.key]
+  for key, row in todo:
+    result = results[key]
+    label = row.label + (" (baseline)" if key != row.key else "")
     if "ms" not in result:
-      lines.append(f"| {row.label} | {result.get('na') or result.get('error')} | | | | | | |")
+      lines.append(f"| {label} | {result.get('na') or result.get('error')} | | | | | | |")
       continue
     ratio = _ratio(result["ms"], ms.get("nonprivate"))
     target = ""
     if row.target is not None and WORKLOADS[model].targets and ratio:
       target = f"≤ {row.target}× {'met' if float(ratio) <= row.target else 'MISSED'}"
-    lines.append(f"| {row.label} | {result['ms']:.1f} | {ratio} | "
+    lines.append(f"| {label} | {result['ms']:.1f} | {ratio} | "
                  f"{_ratio(result['ms'], ms.get(best))} | {target} | {result['first_ms']:.0f} | "
                  f"{result['peak_gib']:.2f} | {result['note']} |")
   return lines
@@ -358,16 +371,22 @@ def run_all() -> None:
   print(f"Stack: {stack()}; one example per microbatch; {_STEPS.value} timed steps per row "
         f"({_TFP_STEPS.value} for TF Privacy's optimizers); each row in its own process",
         flush=True)
+  # (result key, row, package directory): a baseline run right after the same row of this tree.
+  runs = [(r.key, r, None) for r in todo]
+  if _BASELINE.value:
+    baseline = lambda r: ([] if r.key == "nonprivate" or r.tf_privacy
+                          else [(r.key + "@baseline", r, _BASELINE.value)])
+    runs = [run for r in todo for run in [(r.key, r, None)] + baseline(r)]
   out = []
   for model in _MODELS.value:
     results = {}
-    for row in todo:
-      results[row.key] = ({"na": _NA_TF_PRIVACY} if row.tf_privacy and not has_tfp
-                          else launch(row, model, sizes[model]))
-      shown = f"{results[row.key]['ms']:.1f} ms/step" if "ms" in results[row.key] else ""
-      print(f"  {model} / {row.label}: {shown or next(iter(results[row.key].values()))}",
-            flush=True)
-    out += ["", *table(model, sizes[model], todo, results)]
+    for key, row, package_dir in runs:
+      results[key] = ({"na": _NA_TF_PRIVACY} if row.tf_privacy and not has_tfp
+                      else launch(row, model, sizes[model], package_dir))
+      shown = f"{results[key]['ms']:.1f} ms/step" if "ms" in results[key] else ""
+      print(f"  {model} / {key}: {shown or next(iter(results[key].values()))} "
+            f"{results[key].get('package', '')}", flush=True)
+    out += ["", *table(model, sizes[model], [(key, row) for key, row, _ in runs], results)]
   print(f"\nStack: {stack()}")
   print("\n".join(out))
 

@@ -5,7 +5,7 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 
 * `Outer`  (MatMul, Conv2D, EinsumDense): g_m = Σ_t A[m, t]ᵀ D[m, t], rows t = an example's
   positions.
-* `RowSum` (BiasAdd, broadcast scales and offsets): g_m = Σ_t D[m, t].
+* `RowSum` (BiasAdd, broadcast scales and offsets): g_m = Σ_t D[m, t], summed when made.
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
 * `Columns` (grouped conv): g_m = [g_m¹ … g_mᴳ], one factor per block of the last axis.
 * `Dense`  (exact fallback): the materialized tensor G[m].
@@ -13,7 +13,9 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
 Σ_m w_m g_m, the materialized g_m for a slice of microbatches, the Gram matrix ⟨g_m, g_n⟩ and the
 inner products ⟨g_m, x⟩ with a tensor x of the variable's shape, and `masked(keep)`, the factor
-with the rows of microbatches not kept set to zero. Factors know nothing of clipping or noise.
+with the rows of microbatches not kept set to zero (`Outer` and `Gather` fold the mask into the
+weights of `weighted_sum`, so DP-SGD pays no extra pass over their rows). Factors know nothing of
+clipping or noise.
 
 Numerics (BUILD_NOTES, "The only output that depends on the data"): squared norms are float64 and
 never overflow for a finite float32 gradient (‖a‖²·‖d‖² of an input 1e30 and an output gradient
@@ -28,6 +30,8 @@ import dataclasses
 from typing import Optional
 
 import tensorflow as tf
+# No public API says whether a graph is compiled by XLA.
+from tensorflow.python.ops import control_flow_util
 
 # Materialize an `Outer` factor for norms only while one example's gradient is this small and
 # materializing costs fewer flops than the Gram ("ghost") form.
@@ -42,7 +46,10 @@ def _nan_to_inf(x: tf.Tensor) -> tf.Tensor:
 def _sum_sq(x: tf.Tensor) -> tf.Tensor:
   """(M,) float64 sums of squares over all axes but the first (+inf for a non-finite row)."""
   flat = tf.reshape(tf.cast(x, tf.float64), [tf.shape(x)[0], -1])
-  return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))
+  if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+    return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))  # XLA fuses the two.
+  # One pass over the float64 rows (XLA has no EuclideanNorm), squared on the (M,) vector.
+  return _nan_to_inf(tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))
 
 
 def _row_scaled(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -61,24 +68,46 @@ def _ghost(gram_a: tf.Tensor, scale_a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   return _nan_to_inf(total * scale_a * scale_d)
 
 
-def _rows(x: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
-  """`x` with the rows (axis 0) not in `keep` set to zero."""
-  keep = tf.reshape(keep, tf.concat([tf.shape(keep), tf.ones([tf.rank(x) - 1], tf.int32)], 0))
-  return tf.where(keep, x, tf.zeros([], x.dtype))
+def _rows(x: tf.Tensor, keep: Optional[tf.Tensor]) -> tf.Tensor:
+  """`x` with the rows (axis 0) not in `keep` set to zero, whatever they hold (inf, NaN)."""
+  if keep is None:
+    return x
+  return tf.math.multiply_no_nan(x, _per_row(tf.cast(keep, x.dtype), x))
 
 
-def _weights(w: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-  return tf.cast(w, like.dtype)
+def _per_row(v: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+  """(M,) `v` reshaped to broadcast along the rows (axis 0) of `like`."""
+  return tf.reshape(v, [-1] + [1] * (like.shape.rank - 1))
+
+
+def _weights(w: tf.Tensor, like: tf.Tensor, keep: Optional[tf.Tensor] = None) -> tf.Tensor:
+  """w in `like`'s dtype, 0 for the rows not in `keep`."""
+  w = tf.cast(w, like.dtype)
+  return w if keep is None else tf.where(keep, w, tf.zeros([], w.dtype))
+
+
+def _weighted_rows(x: tf.Tensor, w: tf.Tensor, keep: Optional[tf.Tensor]) -> tf.Tensor:
+  """w_m · x_m for each row m (axis 0), zero for the rows not in `keep` whatever they hold: the
+  mask costs nothing beyond the product."""
+  return tf.math.multiply_no_nan(x, _per_row(_weights(w, x, keep), x))
+
+
+def _matmul_rows(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+  """Σ over all rows (m, t) of a[m,t]ᵀ d[m,t], (M, T, K) and (M, T, O) -> (K, O): one product."""
+  return tf.matmul(tf.reshape(a, [-1, a.shape[-1]]), tf.reshape(d, [-1, d.shape[-1]]),
+                   transpose_a=True)
 
 
 @dataclasses.dataclass
 class Outer:
-  """g_m = reshape(Σ_t A[m,t]ᵀ D[m,t], shape); A: (M, T, K), D: (M, T, O)."""
+  """g_m = reshape(Σ_t A[m,t]ᵀ D[m,t], shape); A: (M, T, K), D: (M, T, O); rows m not in `keep`
+  (when set) are zero."""
 
   a: tf.Tensor
   d: tf.Tensor
   shape: tuple[int, ...]
   _materialized: Optional[tf.Tensor] = None
+  keep: Optional[tf.Tensor] = None
 
   rule = "outer"
 
@@ -88,10 +117,16 @@ class Outer:
       return k * o <= _MAX_MATERIALIZED_ELEMENTS
     return t > 1 and t * k * o <= t * t * (k + o) and k * o <= _MAX_MATERIALIZED_ELEMENTS
 
+  def _rows_a(self) -> tf.Tensor:
+    return _rows(self.a, self.keep)
+
+  def _rows_d(self) -> tf.Tensor:
+    return _rows(self.d, self.keep)
+
   def _full(self) -> tf.Tensor:
     # Cached per graph: a value computed inside a tf.cond branch cannot be used outside it.
     if self._cached() is None:
-      self._materialized = tf.einsum("mtk,mto->mko", self.a, self.d)
+      self._materialized = _rows(tf.matmul(self.a, self.d, transpose_a=True), self.keep)
     return self._materialized
 
   def _cached(self) -> Optional[tf.Tensor]:
@@ -102,28 +137,30 @@ class Outer:
 
   def squared_norms(self) -> tf.Tensor:
     if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²
-      return _nan_to_inf(_sum_sq(self.a) * _sum_sq(self.d))
+      return _nan_to_inf(_sum_sq(self._rows_a()) * _sum_sq(self._rows_d()))
     if self._prefers_materialized():
       return _sum_sq(self._full())
     # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s).
-    scaled, scale_a = _row_scaled(self.a)
-    return _ghost(tf.einsum("mtk,msk->mts", scaled, scaled), scale_a, self.d)
+    scaled, scale_a = _row_scaled(self._rows_a())
+    return _ghost(tf.matmul(scaled, scaled, transpose_b=True), scale_a, self._rows_d())
 
   def masked(self, keep: tf.Tensor) -> "Outer":
     full = self._cached()  # Materialized for the norms: the weighted sum reuses it.
-    return Outer(_rows(self.a, keep), _rows(self.d, keep), self.shape,
-                 None if full is None else _rows(full, keep))
+    if self.keep is not None:
+      keep = tf.logical_and(keep, self.keep)
+    return Outer(self.a, self.d, self.shape, None if full is None else _rows(full, keep), keep)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    w = _weights(w, self.d)
     if self._cached() is not None:
-      return tf.reshape(tf.tensordot(w, self._materialized, 1), self.shape)
-    return tf.reshape(tf.einsum("mtk,mto->ko", self.a, self.d * w[:, None, None]), self.shape)
+      return tf.reshape(tf.tensordot(_weights(w, self._materialized), self._materialized, 1),
+                        self.shape)
+    return tf.reshape(_matmul_rows(self._rows_a(), _weighted_rows(self.d, w, self.keep)),
+                      self.shape)
 
   def gram(self) -> tf.Tensor:
     if self.a.shape[1] == 1:  # ⟨a_m d_mᵀ, a_n d_nᵀ⟩ = (a_m·a_n)(d_m·d_n)
-      return tf.matmul(self.a[:, 0], self.a[:, 0], transpose_b=True) * tf.matmul(
-          self.d[:, 0], self.d[:, 0], transpose_b=True)
+      a, d = self._rows_a()[:, 0], self._rows_d()[:, 0]
+      return tf.matmul(a, a, transpose_b=True) * tf.matmul(d, d, transpose_b=True)
     flat = tf.reshape(self._full(), [tf.shape(self.a)[0], -1])
     return tf.matmul(flat, flat, transpose_b=True)
 
@@ -131,44 +168,49 @@ class Outer:
     x = tf.reshape(x, [self.a.shape[2], self.d.shape[2]])
     if self._cached() is not None:
       return tf.einsum("mko,ko->m", self._materialized, x)
-    return tf.einsum("mtk,ko,mto->m", self.a, x, self.d)
+    return tf.einsum("mtk,ko,mto->m", self._rows_a(), x, self._rows_d())
 
   def materialize(self, start, stop) -> tf.Tensor:
     if self._cached() is not None:
       g = self._materialized[start:stop]
     else:
-      g = tf.einsum("mtk,mto->mko", self.a[start:stop], self.d[start:stop])
+      keep = None if self.keep is None else self.keep[start:stop]
+      g = _rows(tf.matmul(self.a[start:stop], self.d[start:stop], transpose_a=True), keep)
     return tf.reshape(g, (-1, *self.shape))
 
 
 @dataclasses.dataclass
 class RowSum:
-  """g_m = reshape(Σ_t D[m,t], shape); D: (M, T, O)."""
+  """g_m = reshape(G[m], shape) with G = Σ_t D[m,t] of D: (M, T, O), summed once by `row_sum`
+  (a bias' or a broadcast scale's per-example gradient is as small as the variable)."""
 
-  d: tf.Tensor
+  g: tf.Tensor  # (M, O)
   shape: tuple[int, ...]
 
   rule = "rowsum"
 
   def squared_norms(self) -> tf.Tensor:
-    return _sum_sq(tf.reduce_sum(tf.cast(self.d, tf.float64), axis=1))
+    return _sum_sq(self.g)
 
   def masked(self, keep: tf.Tensor) -> "RowSum":
-    return RowSum(_rows(self.d, keep), self.shape)
+    return RowSum(_rows(self.g, keep), self.shape)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    return tf.reshape(tf.einsum("mto,m->o", self.d, _weights(w, self.d)), self.shape)
+    return tf.reshape(tf.tensordot(_weights(w, self.g), self.g, 1), self.shape)
 
   def gram(self) -> tf.Tensor:
-    g = tf.reduce_sum(self.d, axis=1)
-    return tf.matmul(g, g, transpose_b=True)
+    return tf.matmul(self.g, self.g, transpose_b=True)
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
-    return tf.einsum("mto,o->m", self.d, tf.reshape(x, [-1]))
+    return tf.linalg.matvec(self.g, tf.reshape(x, [-1]))
 
   def materialize(self, start, stop) -> tf.Tensor:
-    g = tf.reduce_sum(self.d[start:stop], axis=1)
-    return tf.reshape(g, (-1, *self.shape))
+    return tf.reshape(self.g[start:stop], (-1, *self.shape))
+
+
+def row_sum(d: tf.Tensor, shape: tuple[int, ...]) -> RowSum:
+  """The `RowSum` of rows D: (M, T, O)."""
+  return RowSum(tf.reduce_sum(d, axis=1), shape)
 
 
 @dataclasses.dataclass
@@ -179,6 +221,7 @@ class Gather:
   ids: tf.Tensor
   d: tf.Tensor
   shape: tuple[int, ...]
+  keep: Optional[tf.Tensor] = None  # Rows m not in it are zero.
 
   rule = "gather"
 
@@ -188,26 +231,33 @@ class Gather:
 
   def squared_norms(self) -> tf.Tensor:
     same_row = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.d.dtype)
-    return _ghost(same_row, tf.ones([], tf.float64), self.d)
+    return _ghost(same_row, tf.ones([], tf.float64), self._rows_d())
+
+  def _rows_d(self) -> tf.Tensor:
+    return _rows(self.d, self.keep)
 
   def masked(self, keep: tf.Tensor) -> "Gather":
-    return Gather(self.ids, _rows(self.d, keep), self.shape)
+    if self.keep is not None:
+      keep = tf.logical_and(keep, self.keep)
+    return Gather(self.ids, self.d, self.shape, keep)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    rows = tf.reshape(self.d * _weights(w, self.d)[:, None, None], [-1, self._width])
+    rows = tf.reshape(_weighted_rows(self.d, w, self.keep), [-1, self._width])
     return tf.reshape(
         tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0]), self.shape)
 
   def gram(self) -> tf.Tensor:
     same_row = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
                        self.d.dtype)
-    return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", self.d, self.d), axis=[2, 3])
+    d = self._rows_d()
+    return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", d, d), axis=[2, 3])
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
-    return tf.einsum("mto,mto->m", tf.gather(tf.reshape(x, [self.shape[0], -1]), self.ids), self.d)
+    return tf.einsum("mto,mto->m", tf.gather(tf.reshape(x, [self.shape[0], -1]), self.ids),
+                     self._rows_d())
 
   def materialize(self, start, stop) -> tf.Tensor:
-    ids, d = self.ids[start:stop], self.d[start:stop]
+    ids, d = self.ids[start:stop], self._rows_d()[start:stop]
     count = tf.shape(ids)[0]
     vocab = self.shape[0]
     offsets = ids + tf.range(count, dtype=ids.dtype)[:, None] * vocab
@@ -291,10 +341,12 @@ def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:
   if len(factors) == 1:
     return factors[0]
   kinds = {type(f) for f in factors}
+  if any(getattr(f, "keep", None) is not None for f in factors):
+    raise ValueError("concat: factors are joined before they are masked.")
   if kinds == {Outer} and len({(f.a.shape[2], f.d.shape[2]) for f in factors}) == 1:
     return Outer(tf.concat([f.a for f in factors], 1), tf.concat([f.d for f in factors], 1), shape)
   if kinds == {RowSum}:
-    return RowSum(tf.concat([f.d for f in factors], 1), shape)
+    return RowSum(tf.add_n([f.g for f in factors]), shape)
   if kinds == {Gather}:
     return Gather(tf.concat([f.ids for f in factors], 1), tf.concat([f.d for f in factors], 1),
                   shape)

@@ -123,6 +123,30 @@ def _match_conv(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   return "conv"
 
 
+def _patches(x: tf.Tensor, size: tuple[int, int], strides: list[int], dilations: list[int],
+             padding: str) -> tf.Tensor:
+  """`tf.image.extract_patches` of NHWC `x` (features ordered kernel row, column, channel).
+
+  With unit strides and static spatial sizes, the patches are kh·kw shifted slices stacked, which
+  CPUs copy 2-3× faster than ExtractImagePatches (bench/results/2026-11-23_overhead_cpu.md).
+  """
+  (kh, kw), (h, w) = size, x.shape[1:3]
+  if any(s != 1 for s in strides) or h is None or w is None:
+    return tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, padding)
+  dh, dw = dilations[1:3]
+  span_h, span_w = dh * (kh - 1), dw * (kw - 1)
+  if padding == "SAME":  # Output size = input size; the extra row or column goes last.
+    x = tf.pad(x, [[0, 0], [span_h // 2, span_h - span_h // 2],
+                   [span_w // 2, span_w - span_w // 2], [0, 0]])
+    h, w = h + span_h, w + span_w
+  out_h, out_w = h - span_h, w - span_w
+  if out_h <= 0 or out_w <= 0:
+    return tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, "VALID")
+  shifted = [x[:, i * dh:i * dh + out_h, j * dw:j * dw + out_w, :]
+             for i in range(kh) for j in range(kw)]
+  return tf.reshape(tf.stack(shifted, axis=3), [-1, out_h, out_w, kh * kw * x.shape[3]])
+
+
 def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """Conv2D: g = Σ_p patch_pᵀ dz_p over output positions p (Opacus' unfold rule).
 
@@ -146,8 +170,7 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   if padding == "EXPLICIT":
     x = tf.pad(x, [[pads[2 * i], pads[2 * i + 1]] for i in range(4)])
     padding = "VALID"
-  patches = tf.image.extract_patches(tf.cast(x, dtype), [1, kh, kw, 1], strides, dilations,
-                                     padding)
+  patches = _patches(tf.cast(x, dtype), (kh, kw), strides, dilations, padding)
   if groups == 1:
     return F.Outer(_rows(patches, m, kh * kw * cin, dtype), _rows(grad, m, cout, dtype),
                    tuple(var.shape))
@@ -221,7 +244,7 @@ def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   if op.get_attr("data_format") == b"NCHW":
     grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
   # The bias may be a squeezed read (a one-head attention's (1, D) bias): its width is its size.
-  return F.RowSum(_rows(grad, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
+  return F.row_sum(_rows(grad, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
 
 
 def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -303,7 +326,7 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   reduced = [i for i in range(1, rank) if dims[i] == 1]
   if reduced:
     d = tf.reduce_sum(d, axis=reduced)
-  return F.RowSum(_rows(d, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
+  return F.row_sum(_rows(d, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
 
 
 # ---------------------------------------------------------------------------------------------

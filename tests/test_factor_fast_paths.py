@@ -1,0 +1,78 @@
+"""The engine's cheaper paths (issue 16) give the same results as the plain ones: conv patches from
+shifted slices, masks folded into the weights, per-example sums of a RowSum taken once, and the
+choice between a materialized and a Gram ("ghost") norm from static shapes."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import rules
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+@pytest.mark.parametrize("kernel,dilation", [((3, 3), (1, 1)), ((2, 3), (2, 1)), ((5, 2), (1, 2))])
+def test_patches_equal_extract_patches(kernel, dilation, padding):
+  x = tf.constant(np.random.default_rng(0).normal(size=(2, 7, 6, 3)), tf.float32)
+  want = tf.image.extract_patches(x, [1, *kernel, 1], [1, 1, 1, 1], [1, *dilation, 1], padding)
+  got = rules._patches(x, kernel, [1, 1, 1, 1], [1, *dilation, 1], padding)
+  np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def _reference(a, d, keep, w):
+  """NumPy: per-example g_m = Σ_t a_tᵀ d_t, rows not kept zero; their norms² and Σ_m w_m g_m."""
+  g = np.where(keep[:, None, None], np.einsum("mtk,mto->mko", a, d), 0.0)
+  return (g ** 2).sum(axis=(1, 2)), np.einsum("m,mko->ko", w, g), g
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("materialized", [False, True])
+def test_masked_outer_zeroes_non_finite_rows(t, materialized, monkeypatch):
+  monkeypatch.setattr(F.Outer, "_prefers_materialized", lambda self: materialized)
+  rng = np.random.default_rng(1)
+  a, d = rng.normal(size=(4, t, 3)), rng.normal(size=(4, t, 2))
+  a[1, 0, 0], d[2, -1, 1] = np.inf, np.nan  # Examples 1 and 2 are not finite.
+  keep = np.array([True, False, False, True])
+  w = np.array([0.5, 1.0, 1.0, 2.0])
+  outer = F.Outer(tf.constant(a, tf.float32), tf.constant(d, tf.float32), (3, 2))
+  outer.squared_norms()  # Caches the materialized form where it is preferred.
+  masked = outer.masked(tf.constant(keep))
+  norms, total, g = _reference(a, d, keep, w)
+  np.testing.assert_allclose(masked.squared_norms().numpy(), norms, rtol=1e-5)
+  np.testing.assert_allclose(masked.weighted_sum(tf.constant(w, tf.float32)).numpy(), total,
+                             rtol=1e-5)
+  np.testing.assert_allclose(masked.materialize(0, 4).numpy(), g, rtol=1e-5)
+  np.testing.assert_allclose(masked.gram().numpy(), np.einsum("mko,nko->mn", g, g), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_masked_row_sum_and_gather():
+  rng = np.random.default_rng(2)
+  d = rng.normal(size=(3, 4, 2))
+  d[1, 2, 0] = np.inf
+  keep = tf.constant([True, False, True])
+  w = tf.constant([1.0, 1.0, 0.5])
+  row_sum = F.row_sum(tf.constant(d, tf.float32), (2,)).masked(keep)
+  want = d.sum(axis=1)
+  want[1] = 0
+  np.testing.assert_allclose(row_sum.weighted_sum(w).numpy(), want[0] + 0.5 * want[2], rtol=1e-5)
+  np.testing.assert_allclose(row_sum.squared_norms().numpy(), (want ** 2).sum(1), rtol=1e-5)
+  ids = tf.constant([[0, 1, 0, 2]] * 3)
+  gather = F.Gather(ids, tf.constant(d, tf.float32), (3, 2)).masked(keep)
+  got = gather.weighted_sum(w).numpy()
+  assert np.all(np.isfinite(got))
+  table = np.zeros((3, 2))
+  for m, wm in ((0, 1.0), (2, 0.5)):
+    np.add.at(table, [0, 1, 0, 2], wm * d[m])
+  np.testing.assert_allclose(got, table, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,o,materialized", [
+    (64, 128, 128, True),   # Attention projections of the bench's Transformer.
+    (64, 128, 256, False),  # Its feed-forward layer (materializing measured no faster).
+    (4, 1000, 1000, False),  # Few positions, wide layer: the Gram form is cheaper.
+    (784, 25, 32, True),    # The paper CNN's first conv (T = output positions).
+])
+def test_norm_form_from_static_shapes(t, k, o, materialized):
+  outer = F.Outer(tf.zeros([2, t, k]), tf.zeros([2, t, o]), (k, o))
+  assert outer._prefers_materialized() == materialized
