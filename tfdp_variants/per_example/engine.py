@@ -50,7 +50,7 @@ def microbatch_losses(loss: tf.Tensor,
           tf.constant(num_microbatches))  # A constant M keeps the factors' static shapes.
 
 
-def _factor(use: trace.Use, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def _factor(use: rules.Use, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """The factor of one use, from the op's inputs and the gradient of its output (`rules.py`),
   negated for a negated read (`Use.sign`)."""
   return rules.factor(use.kind, use.op, grad if use.sign > 0 else -grad, m, var)
@@ -156,7 +156,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   graph = mb_losses.graph
   handles = [trace.captured_handle(graph, v) for v in variables]
   forward = set(trace.ancestors(mb_losses))
-  uses = [None if h is None else trace.find_uses(h, forward) for h in handles]
+  uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
   grads = dict(zip((u.op.name for u in fast),
                    tf.gradients(tf.reduce_sum(mb_losses), [u.output for u in fast])))

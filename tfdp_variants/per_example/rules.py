@@ -463,15 +463,6 @@ PFOR_WRONG: dict[str, Callable[[tf.Operation], bool]] = {
 }
 
 
-def _functions(op: tf.Operation) -> list[tf.Graph]:
-  """The bodies of the functions `op` calls (calls, while loops, conds)."""
-  graphs = []
-  for name, value in op.node_def.attr.items():
-    if value.HasField("func"):
-      graphs.append(trace.function_graph(op, name))
-  return graphs
-
-
 @tf.autograph.experimental.do_not_convert
 def pfor_unsafe(t: tf.Tensor) -> bool:
   """Whether the computation of `t` (function bodies included) meets an op of `PFOR_WRONG`."""
@@ -483,9 +474,81 @@ def pfor_unsafe(t: tf.Tensor) -> bool:
     seen.add(op)
     if op.type in PFOR_WRONG and PFOR_WRONG[op.type](op):
       return True
-    for body in _functions(op):
+    for body in trace.function_bodies(op):
       if body is None:
         return True  # A body we cannot read: do not trust pfor with it.
       stack.extend(body.get_operations())
     stack.extend(i.op for i in op.inputs)
   return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Uses of a variable: the ops through which it reaches the loss, each matched to a rule.
+
+# Ops between a variable read and its use that only change shape or dtype: the per-example gradient
+# of the used tensor, reshaped to the variable's shape, is the variable's. A `Neg` on the way (PReLU
+# computes -alpha · relu(-x)) flips its sign (`Use.sign`).
+_PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+  """One op that uses a variable and has a per-example rule.
+
+  kind: a key of `RULES` ("matmul", "zero_matmul", "conv", "bias_add", "gather",
+  "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs; `sign` -1
+  when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
+  linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
+  """
+
+  kind: str
+  op: tf.Operation
+  sign: int = 1
+
+  @property
+  def output(self) -> tf.Tensor:
+    return self.op.outputs[0]
+
+
+def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation],
+             sign: int = 1) -> Optional[list[Use]]:
+  """Rule-bearing uses of a read of a variable (negated if `sign` is -1), or None if any use has
+  no rule."""
+  uses = []
+  for op in tensor.consumers():
+    if op not in forward:
+      continue
+    if op.type in _PASS_THROUGH or op.type == "Neg":
+      sub = _uses_of(op.outputs[0], forward, -sign if op.type == "Neg" else sign)
+      if sub is None:
+        return None
+      uses.extend(sub)
+      continue
+    kind = match(op, tensor)
+    if kind is None:
+      return None
+    uses.append(Use(kind, op, sign))
+  return uses
+
+
+def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
+  """Every use of a variable, read through `handle` (`trace.captured_handle`), if all have per-example
+  rules ([] if the loss never reads it: its gradient is zero); None otherwise (fallback).
+
+  Only uses among `forward`, the ops the loss depends on (`trace.ancestors`), count: a backward pass
+  already in the graph (Keras 3 differentiates before its optimizer runs) reads the variables
+  too, but cannot change the loss.
+  """
+  uses = []
+  for op in handle.consumers():
+    if op not in forward:
+      continue
+    if op.type == "ReadVariableOp":
+      sub = _uses_of(op.outputs[0], forward)
+    else:
+      kind = match(op, handle)
+      sub = None if kind is None else [Use(kind, op)]
+    if sub is None:
+      return None
+    uses.extend(sub)
+  return uses

@@ -66,8 +66,6 @@ MISMATCH = ("Per-example gradient self-check failed: on the first step, the per-
 
 _FUSED_NORM = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _FUSED_NORM_GRAD = ("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3")
-_DATA_OPS = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue")
-_FUNCTION_ATTRS = ("f", "body", "cond", "then_branch", "else_branch")
 # The relative error allowed: float32 rounding is far below 1e-3; half precision widens it.
 _RTOL = {tf.float16: 1e-2, tf.bfloat16: 8e-2}
 
@@ -92,20 +90,6 @@ def _batch_statistics(op: tf.Operation) -> bool:
     return axes is not None and rank is not None and 0 in np.atleast_1d(axes) % rank and (
         _over_batch(op.inputs[0]))
   return False
-
-
-def _nested_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
-  """The ops of `graph` and of the function bodies its ops call (while loops, conds, calls)."""
-  graphs, seen = [graph], set()
-  while graphs:
-    g = graphs.pop()
-    for op in g.get_operations():
-      yield op
-      for attr in _FUNCTION_ATTRS:
-        body = trace.function_graph(op, attr)
-        if body is not None and body.name not in seen:
-          seen.add(body.name)
-          graphs.append(body)
 
 
 def refuse_batch_statistics(ops: Iterator[tf.Operation]) -> None:
@@ -147,7 +131,7 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
 
 def refuse_in_backward(graph: tf.Graph) -> None:
   """`refuse_batch_statistics` over a traced backward pass (the eager path's Jacobian)."""
-  refuse_batch_statistics(_nested_ops(graph))
+  refuse_batch_statistics(trace.nested_ops(graph))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +142,7 @@ def data_inputs(graph: tf.Graph, batch_size: Optional[int]) -> list[tf.Tensor]:
   """The float tensors that bring the batch into `graph`: iterator outputs and the function's
   arguments; captured tensors only if there are neither (a step closing over its data)."""
   captured = {t.name for t in getattr(graph, "internal_captures", ())}
-  data = [t for op in graph.get_operations() if op.type in _DATA_OPS for t in op.outputs]
+  data = [t for op in graph.get_operations() if op.type in trace.DATA_SOURCES for t in op.outputs]
   data += [t for t in getattr(graph, "inputs", ()) if t.name not in captured]
   if not data:
     data = list(getattr(graph, "internal_captures", ()))

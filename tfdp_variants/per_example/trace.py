@@ -1,11 +1,9 @@
-"""Find, in a traced graph, the ops through which each variable reaches the loss.
+"""Analyses of a traced graph: where each tensor's examples lie, and whether examples are mixed.
 
-Keras 2 runs `train_step` inside a `tf.function`, so when the optimizer is asked for gradients the
+Keras runs `train_step` inside a `tf.function`, so when the optimizer is asked for gradients the
 whole forward pass is already a graph. Each trainable variable enters it through a captured resource
-handle; following the handle's consumers tells which ops use the variable. Where every use matches a
-rule of `rules.py` (MatMul, Conv2D, BiasAdd, ResourceGather or GatherV2 of a read, possibly behind
-reshapes or casts) the variable takes the fast path; otherwise the exact fallback. On Keras 3 the
-backward pass is already in the graph when the optimizer runs; only the loss's ancestors count.
+handle (`captured_handle`); `rules.find_uses` follows the handle's consumers to the ops that use it.
+This module only analyses graphs: it knows no per-example rule.
 
 A rule groups the rows of its op's input by example, so it must know that the input has the
 examples on axis 0. `batch_axis` proves it: it tracks the batch axis from the data entering the step
@@ -29,32 +27,6 @@ import weakref
 from typing import Callable, Iterator, Optional
 
 import tensorflow as tf
-
-from tfdp_variants.per_example import rules
-
-# Ops between a variable read and its use that only change shape or dtype: the per-example gradient
-# of the used tensor, reshaped to the variable's shape, is the variable's. A `Neg` on the way (PReLU
-# computes -alpha · relu(-x)) flips its sign (`Use.sign`).
-_PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Use:
-  """One op that uses a variable and has a per-example rule.
-
-  kind: a key of `rules.RULES` ("matmul", "zero_matmul", "conv", "bias_add", "gather",
-  "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs; `sign` -1
-  when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
-  linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
-  """
-
-  kind: str
-  op: tf.Operation
-  sign: int = 1
-
-  @property
-  def output(self) -> tf.Tensor:
-    return self.op.outputs[0]
 
 
 def captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
@@ -142,6 +114,25 @@ def function_graph(op: tf.Operation, attr: str = "f") -> Optional[tf.Graph]:
     return op.graph._get_function(name).graph  # pylint: disable=protected-access
   except (AttributeError, ValueError, TypeError):
     return None
+
+
+def function_bodies(op: tf.Operation) -> list[Optional[tf.Graph]]:
+  """The bodies of the functions `op` calls (a call, a loop's cond and body, a branch), in its
+  attributes' order; None for one the graph cannot resolve."""
+  return [function_graph(op, name) for name, value in op.node_def.attr.items()
+          if value.HasField("func")]
+
+
+def nested_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
+  """The ops of `graph` and of every function body its ops call, however nested (each once)."""
+  graphs, seen = [graph], {graph.name}
+  while graphs:
+    for op in graphs.pop().get_operations():
+      yield op
+      for body in function_bodies(op):
+        if body is not None and body.name not in seen:
+          seen.add(body.name)
+          graphs.append(body)
 
 
 def _rank(t: tf.Tensor) -> Optional[int]:
@@ -959,48 +950,3 @@ def ancestors(t: tf.Tensor) -> Iterator[tf.Operation]:
       if outer is not None:
         stack.append(outer.op)
     stack.extend(x.op for x in op.inputs)
-
-
-
-def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation],
-             sign: int = 1) -> Optional[list[Use]]:
-  """Rule-bearing uses of a read of a variable (negated if `sign` is -1), or None if any use has
-  no rule."""
-  uses = []
-  for op in tensor.consumers():
-    if op not in forward:
-      continue
-    if op.type in _PASS_THROUGH or op.type == "Neg":
-      sub = _uses_of(op.outputs[0], forward, -sign if op.type == "Neg" else sign)
-      if sub is None:
-        return None
-      uses.extend(sub)
-      continue
-    kind = rules.match(op, tensor)
-    if kind is None:
-      return None
-    uses.append(Use(kind, op, sign))
-  return uses
-
-
-def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
-  """Every use of a variable, read through `handle` (`captured_handle`), if all have per-example
-  rules ([] if the loss never reads it: its gradient is zero); None otherwise (fallback).
-
-  Only uses among `forward`, the ops the loss depends on (`ancestors`), count: a backward pass
-  already in the graph (Keras 3 differentiates before its optimizer runs) reads the variables
-  too, but cannot change the loss.
-  """
-  uses = []
-  for op in handle.consumers():
-    if op not in forward:
-      continue
-    if op.type == "ReadVariableOp":
-      sub = _uses_of(op.outputs[0], forward)
-    else:
-      kind = rules.match(op, handle)
-      sub = None if kind is None else [Use(kind, op)]
-    if sub is None:
-      return None
-    uses.extend(sub)
-  return uses
