@@ -44,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from typing import Callable, Optional
 
 from absl import app
@@ -326,6 +327,13 @@ def main(argv):
         f"{_DELTA.value} ({optimizer.privacy_guarantee}: {type(optimizer).__name__}, σ = "
         f"{sigma:.3f}, C = {_CLIP.value}, {sampling.describe()}, q = {q:.4f}, "
         f"{summary['steps']} steps; nominal ε = {logger.epsilon_nominal:.3f}). {where}.")
+
+
+def poisson_per_replica(*args, **kwargs):
+  """Moved to `tfdp_variants.data.poisson_per_replica`; this name warns and forwards."""
+  warnings.warn("tfdp_variants.train.poisson_per_replica moved to "
+                "tfdp_variants.data.poisson_per_replica.", DeprecationWarning, stacklevel=2)
+  return data.poisson_per_replica(*args, **kwargs)
 
 
 def _noise_multiplier(optimizer_at: Callable[[float], object], sampling: sampling_lib.Sampling,
