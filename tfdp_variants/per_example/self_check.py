@@ -233,15 +233,11 @@ def _fill(template: str, value: tf.Tensor) -> tf.Tensor:
   return before + value + after
 
 
-def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
-           data: list[tf.Tensor], batch: tf.Tensor, rtol: float, xla: bool) -> tf.Tensor:
-  """The check's status, after its assertions (none under XLA); built in the current (branch)
-  graph. A non-finite step (_NOT_RUN) is checked again on
-  the next step."""
-  m = tf.cast(grads.num_microbatches, tf.int32)
-  checked = [k for k, s in enumerate(sources) if s is not None]
-  factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
-  squared_norms = {k: factors[k].squared_norms() for k in checked}
+def _exact(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: list[tf.Tensor],
+           checked: list[int], data: list[tf.Tensor], m: tf.Tensor, batch: tf.Tensor) -> tuple:
+  """For microbatches 0 and M-1: the exact gradients of the `checked` variables (one
+  `tf.gradients` each, no pfor, no rule), and per data input the gradient norm on other
+  microbatches' rows, on its own rows, and whether the input has the batch's rows."""
   exact, leaks, owns, valids = [], [], [], []
   for i in (tf.constant(0), m - 1):
     grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked] + data)
@@ -256,15 +252,25 @@ def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[O
       leaks.append(leak)
       owns.append(own)
       valids.append(valid)
+  return exact, leaks, owns, valids
+
+
+def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
+           data: list[tf.Tensor], batch: tf.Tensor, rtol: float, xla: bool) -> tf.Tensor:
+  """The check's status, after its assertions (none under XLA); built in the current (branch)
+  graph. A non-finite step (_NOT_RUN) is checked again on the next step."""
+  m = tf.cast(grads.num_microbatches, tf.int32)
+  checked = [k for k, s in enumerate(sources) if s is not None]
+  factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
+  squared_norms = {k: factors[k].squared_norms() for k in checked}
+  exact, leaks, owns, valids = _exact(grads, mb_losses, sources, checked, data, m, batch)
   q0, q1 = [tf.stack([_sq(g) for g in e] or [0.0]) for e in exact]  # Exact squared norms.
   finite = tf.reduce_all(tf.math.is_finite(tf.concat([q0, q1, tf.stack(leaks + owns or [0.0])], 0)))
   w = tf.one_hot(0, m) + 2 * tf.one_hot(m - 1, m)
   values = tf.stack([_engine_values(factors[k], squared_norms[k], e0, e1, w, m)
                      for k, e0, e1 in zip(checked, *exact)] or [tf.zeros(5)])
   error = _relative_errors(values, q0, q1)  # (variables, 5)
-  worst = tf.reduce_max(tf.where(tf.math.is_nan(error), np.inf, error), axis=1)
   bad = tf.logical_not(tf.reduce_all(error <= rtol, axis=1))
-  passed = lambda failed: tf.logical_or(tf.logical_not(finite), tf.logical_not(failed))
   failures, mixed = [tf.reduce_any(bad)], None
   if data:
     n = len(data)
@@ -275,6 +281,18 @@ def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[O
                     _NOT_RUN)
   if xla:  # XLA has no assertions, prints or strings: the status alone tells.
     return status
+  worst = tf.reduce_max(tf.where(tf.math.is_nan(error), np.inf, error), axis=1)
+  asserts = _assertions(grads, checked, data, finite, bad, worst, mixed, valids)
+  with tf.control_dependencies(asserts):
+    return tf.identity(status)
+
+
+def _assertions(grads: PerExampleGradients, checked: list[int], data: list[tf.Tensor],
+                finite: tf.Tensor, bad: tf.Tensor, worst: tf.Tensor, mixed: Optional[tf.Tensor],
+                valids: list[tf.Tensor]) -> list:
+  """The asserts that raise, naming the inputs that mix examples or the variables whose
+  per-example gradients are not exact (a non-finite step raises nothing: it is checked later)."""
+  passed = lambda failed: tf.logical_or(tf.logical_not(finite), tf.logical_not(failed))
   asserts = []
   if data:
     inputs = tf.constant([f"the loss of a microbatch depends on the rows of other microbatches "
@@ -295,8 +313,8 @@ def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[O
           tf.boolean_mask(worst, bad), precision=1, scientific=True) + ")", separator=", ")
   with tf.control_dependencies(asserts):
     asserts.append(tf.debugging.Assert(passed(tf.reduce_any(bad)), [_fill(MISMATCH, mismatch)]))
-  with tf.control_dependencies(asserts):
-    return tf.identity(status)
+  return asserts
+
 
 _NOT_RUN, _PASSED, _FAILED = 0, 1, 2
 XLA_FAILED = ("The per-example self-check failed under XLA (jit_compile), which cannot raise in "
