@@ -15,6 +15,34 @@ L = tf.keras.layers
 B = 8
 
 
+def test_normal_draws_are_standard_normal():
+  """The Box–Muller draws against N(0, 1): moments, a Kolmogorov–Smirnov test, the tails, and
+  the two outputs of each pair uncorrelated (also their squares, which a wrong transform
+  would correlate). 2·10⁶ draws: each bound is about 5 standard errors."""
+  scipy_stats = pytest.importorskip("scipy.stats")
+  source = noise.NoiseSource()
+  n = 2_000_000
+  x = source.normal([1000, 2000]).numpy().astype(np.float64).ravel()
+  assert abs(x.mean()) < 5 / np.sqrt(n) and abs(x.var() - 1) < 5 * np.sqrt(2 / n)
+  assert abs(np.mean(x**4) - 3) < 5 * np.sqrt(96 / n)
+  assert scipy_stats.kstest(x, "norm").pvalue > 1e-5
+  tail = np.mean(np.abs(x) > 3)
+  assert abs(tail - 0.0026998) < 5 * np.sqrt(0.0027 / n)
+  cos, sin = x[:n // 2], x[n // 2:]  # Each pair's two outputs.
+  assert abs(np.corrcoef(cos, sin)[0, 1]) < 5 / np.sqrt(n / 2)
+  assert abs(np.corrcoef(cos**2, sin**2)[0, 1]) < 5 / np.sqrt(n / 2)
+
+
+@pytest.mark.parametrize("shape", [[], [0], [7], [3, 5], [2, 3, 4]])
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+def test_normal_draws_have_the_shape_and_dtype_asked(shape, dtype):
+  source = noise.NoiseSource()
+  x = source.normal(shape, dtype)
+  assert x.shape == shape and x.dtype == dtype and np.all(np.isfinite(x.numpy()))
+  graph = tf.function(lambda: source.normal(tf.constant(shape, tf.int32), dtype))
+  assert graph().shape == shape
+
+
 def test_query_adds_noise_of_sigma_times_each_scale():
   zeros = [tf.zeros([200, 100]), tf.zeros([20000])]
   query = noise.GaussianSumQuery(noise.NoiseSource(), 0.5)
