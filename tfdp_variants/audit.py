@@ -294,14 +294,6 @@ def _optimizer_variables(optimizer) -> list:
   return list(variables() if callable(variables) else variables)  # A method in legacy Keras.
 
 
-def _build(optimizer, variables) -> None:
-  """Creates the optimizer's state (base slots and the algorithm's) before the first step."""
-  if stack.is_legacy(type(optimizer)):
-    optimizer._create_all_weights(variables)  # pylint: disable=protected-access
-  else:
-    optimizer.build(variables)
-
-
 class _Loss(tf.keras.losses.Loss):
   """-y·f(x), per example (reduction "none", as the DP optimizers need under fit)."""
 
@@ -358,7 +350,7 @@ def _experiment(optimizer_factory: Callable[[], object], trials: int, batch_size
     (xp, yp), (xa, ya), u = _batches(optimizer, batch_size, dim, adjacency, canary, seed)
     if path == "fit":
       model.compile(optimizer=optimizer, loss=_Loss())
-    _build(optimizer, model.trainable_variables)
+    stack.build_optimizer(optimizer, model.trainable_variables)
   state = _optimizer_variables(optimizer)
   initial = [v.numpy() for v in state]
   direction = tf.constant(u[:, None], tf.float32)
@@ -536,7 +528,7 @@ def _black_box_experiment(optimizer_factory: Callable[[], object], trials: int, 
   _examples_per_microbatch(optimizer, batch_size)
   model = model_factory()
   model(xs[:1])  # Builds its variables.
-  _build(optimizer, model.trainable_variables)
+  stack.build_optimizer(optimizer, model.trainable_variables)
   weights = model.weights
   state = _optimizer_variables(optimizer)
   initial_weights = [w.numpy() for w in weights]
