@@ -15,6 +15,7 @@ import tensorflow as tf
 import engine_helpers
 import tfdp_variants
 from conftest import per_stack
+from tfdp_variants import per_example
 
 L = tf.keras.layers
 B = 4
@@ -143,9 +144,66 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                           DENSE * 4 + NORM + DENSE * 2 + NORM + DENSE),
     "conv1d": (lambda: _seq((8, 3), L.Conv1D(4, 3, padding="same"), L.Flatten(), L.Dense(2)),
                _floats(B, 8, 3), DENSE * 2),
+    # Convolutions: depthwise (one group per channel), 3-D, grouped, transposed (the kernel
+    # gradient of the conv from the output back to the data), strided, dilated, padded.
     "depthwise_conv2d": (lambda: _seq((6, 6, 2), L.DepthwiseConv2D(3, depth_multiplier=2),
                                       L.Flatten(), L.Dense(2)),
-                         _floats(B, 6, 6, 2), ["fallback", "rowsum", *DENSE]),
+                         _floats(B, 6, 6, 2), ["grouped", "rowsum", *DENSE]),
+    "depthwise_conv2d_strided": (lambda: _seq((7, 7, 3), L.DepthwiseConv2D(3, strides=2,
+                                                                           padding="same"),
+                                              L.Flatten(), L.Dense(2)),
+                                 _floats(B, 7, 7, 3), ["grouped", "rowsum", *DENSE]),
+    "separable_conv2d": (lambda: _seq((6, 6, 2), L.SeparableConv2D(3, 3, strides=2,
+                                                                   padding="same"),
+                                      L.Flatten(), L.Dense(2)),
+                         _floats(B, 6, 6, 2), ["grouped", "outer", "rowsum", *DENSE]),
+    "separable_conv1d": (lambda: _seq((8, 2), L.SeparableConv1D(3, 3, depth_multiplier=2),
+                                      L.Flatten(), L.Dense(2)),
+                         _floats(B, 8, 2), ["grouped", "outer", "rowsum", *DENSE]),
+    "conv3d": (lambda: _seq((4, 5, 4, 2), L.Conv3D(3, 2, strides=(1, 2, 1), padding="same"),
+                            L.Flatten(), L.Dense(2)),
+               _floats(B, 4, 5, 4, 2), DENSE * 2),
+    # TF dilates Conv3D through SpaceToBatchND, which the batch-axis analysis follows only
+    # into 2-D convs: there every variable takes the fallback.
+    "conv3d_dilated": (lambda: _seq((5, 5, 5, 2), L.Conv3D(3, 2, dilation_rate=2), L.Flatten(),
+                                    L.Dense(2)),
+                       _floats(B, 5, 5, 5, 2), ["fallback"] * 4),
+    "conv3d_grouped": (lambda: _seq((4, 4, 4, 4), L.Conv3D(4, 2, groups=2), L.Flatten(),
+                                    L.Dense(2)),
+                       _floats(B, 4, 4, 4, 4), ["grouped", "rowsum", *DENSE]),
+    "conv1d_transpose": (lambda: _seq((5, 2), L.Conv1DTranspose(3, 3, strides=2), L.Flatten(),
+                                      L.Dense(2)),
+                         _floats(B, 5, 2), DENSE * 2),
+    "conv2d_transpose": (lambda: _seq((4, 4, 2), L.Conv2DTranspose(3, 3, strides=2,
+                                                                   padding="same"),
+                                      L.Flatten(), L.Dense(2)),
+                         _floats(B, 4, 4, 2), DENSE * 2),
+    # Keras 2 dilates a transposed conv through a SpaceToBatchND of padding computed at run time:
+    # no static sizes, so the fallback.
+    "conv2d_transpose_dilated": (lambda: _seq((4, 4, 2), L.Conv2DTranspose(3, 2,
+                                                                           dilation_rate=2),
+                                              L.Flatten(), L.Dense(2)),
+                                 _floats(B, 4, 4, 2),
+                                 per_stack(keras3=DENSE * 2, keras2=["fallback"] * 4)),
+    # The batch-axis analysis does not follow Conv3DBackpropInputV2's output yet (its data is
+    # input 2): the layers after it take the fallback.
+    "conv3d_transpose": (lambda: _seq((3, 3, 2, 2), L.Conv3DTranspose(3, 2, strides=2),
+                                      L.Flatten(), L.Dense(2)),
+                         _floats(B, 3, 3, 2, 2), ["outer", None, None, None]),
+    # Dilated 2-D convs run on SpaceToBatchND blocks (block-major on axis 0).
+    "conv2d_dilated": (lambda: _seq((7, 7, 2), L.Conv2D(3, 3, dilation_rate=2), L.Flatten(),
+                                    L.Dense(2)),
+                       _floats(B, 7, 7, 2), DENSE * 2),
+    "depthwise_conv2d_dilated": (lambda: _seq((7, 7, 2), L.DepthwiseConv2D(3, dilation_rate=2,
+                                                                           padding="same"),
+                                              L.Flatten(), L.Dense(2)),
+                                 _floats(B, 7, 7, 2), ["grouped", "rowsum", *DENSE]),
+    "time_distributed_dense": (lambda: _seq((3, 4), L.TimeDistributed(L.Dense(5)), L.Flatten(),
+                                            L.Dense(2)),
+                               _floats(B, 3, 4), DENSE * 2),
+    "time_distributed_conv2d": (lambda: _seq((3, 5, 5, 2), L.TimeDistributed(L.Conv2D(3, 3)),
+                                             L.Flatten(), L.Dense(2)),
+                                _floats(B, 3, 5, 5, 2), DENSE * 2),
     "subclassed": (_Residual, _floats(B, 5, 2), DENSE * 3),
     # Scales and offsets broadcast against the activations: the "broadcast" rule's row sums.
     "layer_norm": (lambda: _seq((5, 4), L.LayerNormalization(), L.Flatten(), L.Dense(2)),
@@ -206,7 +264,8 @@ if hasattr(L, "RMSNormalization"):  # Keras 3 only.
                      _floats(B, 5, 4), ["rowsum", *DENSE])
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
-       "einsum_dense_right_ellipsis"]
+       "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
+       "conv2d_dilated"]
 
 
 def _build(name):
@@ -265,3 +324,24 @@ def test_fit_step_is_mean_of_clipped_single_example_gradients(name):
     np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
   if rules is not None:
     _assert_rules(list(optimizer.per_example_rules), rules)
+
+
+def test_convolutions_of_unknown_sizes_take_the_fallback():
+  """Without static spatial sizes a conv rule cannot check its padding: the exact fallback."""
+  tf.keras.utils.set_random_seed(0)
+  model = _seq((None, None, 2), L.DepthwiseConv2D(3), L.Conv2DTranspose(2, 3, strides=2),
+               L.GlobalAveragePooling2D(), L.Dense(2))
+  x, y = _floats(B, 6, 6, 2), _floats(B, 2)
+  seen = {}
+
+  @tf.function(input_signature=[tf.TensorSpec([None, None, None, 2]), tf.TensorSpec([None, 2])])
+  def run(x, y):
+    grads = per_example.compute(engine_helpers.mse(y, model(x, training=True)),
+                                model.trainable_variables)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  for g, r, v in zip(run(x, y), _single_example_gradients(model, x, y),
+                     model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
+  assert [seen["rules"][i] for i in (0, 2)] == ["fallback", "fallback"], seen["rules"]

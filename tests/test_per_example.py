@@ -74,13 +74,13 @@ ZOO = {
                                                               padding="same"),
                                           L.Conv2D(2, (2, 3), strides=(1, 2), padding="same"),
                                           L.Flatten(), L.Dense(2)), _floats(B, 8, 8, 2),
-                             ["fallback", "rowsum"] + ["outer", "rowsum"] * 2),
+                             ["outer", "rowsum"] * 3),
     "conv1d_all_paddings": (lambda: _seq((12, 3), L.Conv1D(4, 3, strides=2, padding="valid"),
                                          L.Conv1D(4, 2, dilation_rate=2, padding="causal"),
                                          L.Conv1D(2, 3, padding="same"), L.Flatten(),
                                          L.Dense(2)), _floats(B, 12, 3),
-                            # Dilated Conv1D reorders the batch (SpaceToBatchND): exact fallback.
-                            ["outer", "rowsum", "fallback", "rowsum"] + ["outer", "rowsum"] * 2),
+                            # Dilated Conv1D runs on SpaceToBatchND blocks (`conv_rules.py`).
+                            ["outer", "rowsum"] * 4),
     "functional_two_inputs": (_two_inputs, [_floats(B, 6, 6, 2), _floats(B, 3)], None),
     "subclassed": (_Subclassed, _floats(B, 5, 5, 2), None),
     "shared_layer": (_shared_branches, [_floats(B, 4), _floats(B, 4) + 1.0], None),

@@ -8,6 +8,7 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 * `RowSum` (BiasAdd, broadcast scales and offsets): g_m = Σ_t D[m, t], summed when made.
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
 * `Columns` (grouped conv): g_m = [g_m¹ … g_mᴳ], one factor per block of the last axis.
+* `GroupedOuter` (depthwise conv, grouped Conv3D): G `Outer`s batched along a group axis.
 * `Dense`  (exact fallback): the materialized tensor G[m].
 
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
@@ -302,6 +303,60 @@ class Columns:
 
 
 @dataclasses.dataclass
+class GroupedOuter:
+  """g_m = reshape(G_m, shape), G_m[k, g, o] = Σ_t A[m,t,g,k] D[m,t,g,o]; A: (M, T, G, K),
+  D: (M, T, G, O): G independent `Outer`s laid out (K, G, O) (a depthwise conv's kernel: one group
+  per channel; a grouped Conv3D's); rows m not in `keep` (when set) are zero."""
+
+  a: tf.Tensor
+  d: tf.Tensor
+  shape: tuple[int, ...]
+  keep: Optional[tf.Tensor] = None
+
+  rule = "grouped"
+
+  def _rows_a(self) -> tf.Tensor:
+    return _rows(self.a, self.keep)
+
+  def _rows_d(self) -> tf.Tensor:
+    return _rows(self.d, self.keep)
+
+  def _full(self, start=0, stop=None) -> tf.Tensor:
+    keep = None if self.keep is None else self.keep[start:stop]
+    return _rows(tf.einsum("mtgk,mtgo->mkgo", self.a[start:stop], self.d[start:stop]), keep)
+
+  def squared_norms(self) -> tf.Tensor:
+    t, g, k, o = self.a.shape[1:].as_list() + self.d.shape[3:].as_list()
+    if g * k * o <= _MAX_MATERIALIZED_ELEMENTS and (t is None or k * o <= t * (k + o)):
+      return _sum_sq(self._full())
+    # Ghost norm per group: Σ_g Σ_{t,s} (a_tg·a_sg)(d_tg·d_sg), from rows scaled per example.
+    (a, scale_a), (d, scale_d) = _row_scaled(self._rows_a()), _row_scaled(self._rows_d())
+    products = tf.einsum("mtgk,msgk->mgts", a, a) * tf.einsum("mtgo,msgo->mgts", d, d)
+    total = tf.cast(tf.reduce_sum(products, axis=[1, 2, 3]), tf.float64)
+    return _nan_to_inf(total * scale_a * scale_d)
+
+  def masked(self, keep: tf.Tensor) -> "GroupedOuter":
+    if self.keep is not None:
+      keep = tf.logical_and(keep, self.keep)
+    return GroupedOuter(self.a, self.d, self.shape, keep)
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(tf.einsum("mtgk,mtgo->kgo", self._rows_a(),
+                                _weighted_rows(self.d, w, self.keep)), self.shape)
+
+  def gram(self) -> tf.Tensor:
+    flat = tf.reshape(self._full(), [tf.shape(self.a)[0], -1])
+    return tf.matmul(flat, flat, transpose_b=True)
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    x = tf.reshape(x, [self.a.shape[3], self.a.shape[2], self.d.shape[3]])
+    return tf.einsum("mtgk,kgo,mtgo->m", self._rows_a(), x, self._rows_d())
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    return tf.reshape(self._full(start, stop), (-1, *self.shape))
+
+
+@dataclasses.dataclass
 class Dense:
   """The materialized per-microbatch gradients G: (M, *shape) (the exact fallback)."""
 
@@ -329,7 +384,7 @@ class Dense:
     return self.g[start:stop]
 
 
-Factor = Outer | RowSum | Gather | Columns | Dense
+Factor = Outer | RowSum | Gather | Columns | GroupedOuter | Dense
 
 
 def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:
@@ -345,6 +400,9 @@ def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:
     raise ValueError("concat: factors are joined before they are masked.")
   if kinds == {Outer} and len({(f.a.shape[2], f.d.shape[2]) for f in factors}) == 1:
     return Outer(tf.concat([f.a for f in factors], 1), tf.concat([f.d for f in factors], 1), shape)
+  if kinds == {GroupedOuter} and len({(*f.a.shape[2:], f.d.shape[3]) for f in factors}) == 1:
+    return GroupedOuter(tf.concat([f.a for f in factors], 1), tf.concat([f.d for f in factors], 1),
+                        shape)
   if kinds == {RowSum}:
     return RowSum(tf.add_n([f.g for f in factors]), shape)
   if kinds == {Gather}:

@@ -2,8 +2,9 @@
 
 A rule reads one op that uses a variable: the op's input rows, grouped by example, and the gradient
 of its output give the variable's per-example gradients as a factor (`factors.py`). A use matches
-only when `trace.batch_axis` proves the op's input has the examples on axis 0; every other use sends
-its variable to the exact fallback. Adding an op or a layer is one entry of `RULES`.
+only when `trace.batch_axis` proves the op's input has the examples on axis 0 (a dilated conv's
+SpaceToBatchND: blocks of them, `conv_rules.py`); every other use sends its variable to the exact
+fallback. Adding an op or a layer is one entry of `RULES`.
 
 `PFOR_WRONG` lists the ops whose `tf.vectorized_map` (pfor) conversion is wrong, found by comparing
 vectorized Jacobians with a loop of `tf.gradients` over Keras' layers; a fallback whose backward pass
@@ -18,14 +19,9 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import trace
-
-_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
-
-
-def _same(a: tf.Tensor, b: tf.Tensor) -> bool:
-  return a.name == b.name
 
 
 def _rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
@@ -52,23 +48,17 @@ class _Conv:
   expand: Optional[int] = None
 
 
-def _skip_identity(t: tf.Tensor) -> tf.Tensor:
-  while t.op.type == "Identity":
-    t = t.op.inputs[0]
-  return t
-
-
 def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   """The Conv2D of a call of two inputs, the data and the kernel (Keras 2 passes a read of it,
   Keras 3 the resource handle), whose body is `[ExpandDims] → Conv2D → [Squeeze]` and nothing else:
   every other op of the body is a placeholder, constant, identity or the kernel's read."""
   # The output count is not checked: taking gradients rewrites the call to also output intermediates.
-  k = [i for i, t in enumerate(op.inputs) if _same(t, var_input)]
+  k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
   body = trace.function_graph(op)
   if len(op.inputs) != 2 or len(k) != 1 or body is None or len(body.inputs) != 2:
     return None
   x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
-  out = _skip_identity(body.outputs[0])
+  out = trace.skip_identity(body.outputs[0])
   path = []
   if out.op.type == "Squeeze":
     path.append(out.op)
@@ -76,7 +66,7 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   conv = out.op
   if conv.type != "Conv2D":
     return None
-  x_path, w_path = _skip_identity(conv.inputs[0]), _skip_identity(conv.inputs[1])
+  x_path, w_path = trace.skip_identity(conv.inputs[0]), trace.skip_identity(conv.inputs[1])
   expand = None
   if path:  # Conv1D: x and the kernel expanded, the output squeezed, on matching axes.
     expand = trace.constant_value(x_path.op.inputs[1]) if x_path.op.type == "ExpandDims" else None
@@ -92,7 +82,7 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
     path.append(w_path.op)
     w_path = w_path.op.inputs[0]
-  if not (_same(x_path, x_in) and _same(w_path, w_in)):
+  if not (trace.same(x_path, x_in) and trace.same(w_path, w_in)):
     return None
   rest = [o for o in body.get_operations() if o not in path and o is not conv
           and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
@@ -101,10 +91,10 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
 
 def _conv_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   if op.type == "Conv2D":
-    if _same(op.inputs[1], var_input) and not _same(op.inputs[0], var_input):
+    if trace.same(op.inputs[1], var_input) and not trace.same(op.inputs[0], var_input):
       return _Conv(op, op.inputs[0])
     return None
-  if op.type in _CALLS:
+  if op.type in trace.CALLS:
     return _conv_in_call(op, var_input)
   return None
 
@@ -187,7 +177,7 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 
 
 def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  if (op.type != "MatMul" or not _same(op.inputs[1], var_input) or _same(op.inputs[0], var_input)
+  if (op.type != "MatMul" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("transpose_a") or trace.batch_axis(op.inputs[0]) != 0):
     return None
   return "matmul"
@@ -208,7 +198,7 @@ def _provably_zero(t: tf.Tensor) -> bool:
 
 
 def _match_zero_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  if (op.type != "MatMul" or not _same(op.inputs[1], var_input) or _same(op.inputs[0], var_input)
+  if (op.type != "MatMul" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("transpose_a") or not _provably_zero(op.inputs[0])):
     return None
   return "zero_matmul"
@@ -232,7 +222,7 @@ def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Vari
 
 
 def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  if (op.type != "BiasAdd" or not _same(op.inputs[1], var_input)
+  if (op.type != "BiasAdd" or not trace.same(op.inputs[1], var_input)
       or trace.batch_axis(op.inputs[0]) != 0):
     return None
   return "bias_add"
@@ -248,7 +238,7 @@ def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 
 
 def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  if (op.type != "ResourceGather" or not _same(op.inputs[0], var_input)
+  if (op.type != "ResourceGather" or not trace.same(op.inputs[0], var_input)
       or op.get_attr("batch_dims") != 0 or trace.batch_axis(op.inputs[1]) != 0
       or not op.inputs[0].dtype == tf.resource):
     return None
@@ -265,8 +255,8 @@ def _whole_read(t: tf.Tensor) -> bool:
 
 def _match_gather_v2(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   """GatherV2 of a read (Keras 3's Embedding): rows (axis 0) of the table by example-major ids."""
-  if (op.type != "GatherV2" or not _same(op.inputs[0], var_input)
-      or _same(op.inputs[1], var_input) or not _whole_read(var_input)
+  if (op.type != "GatherV2" or not trace.same(op.inputs[0], var_input)
+      or trace.same(op.inputs[1], var_input) or not _whole_read(var_input)
       or op.get_attr("batch_dims") != 0 or trace.constant_value(op.inputs[2]) != 0
       or trace.batch_axis(op.inputs[1]) != 0):
     return None
@@ -292,7 +282,7 @@ def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.
   the output's rank, w constant along axis 0: (x, the sign of z's derivative in w), else None."""
   if op.type not in _SIGNED_OPS or len(op.inputs) != 2:
     return None
-  k = [i for i, t in enumerate(op.inputs) if _same(t, var_input)]
+  k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
   if len(k) != 1:
     return None
   x, w, z = op.inputs[1 - k[0]], op.inputs[k[0]], op.outputs[0]
@@ -346,8 +336,8 @@ class _Einsum:
 
 
 def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
-  if (op.type != "Einsum" or len(op.inputs) != 2 or not _same(op.inputs[1], var_input)
-      or _same(op.inputs[0], var_input) or not var_input.shape.is_fully_defined()):
+  if (op.type != "Einsum" or len(op.inputs) != 2 or not trace.same(op.inputs[1], var_input)
+      or trace.same(op.inputs[0], var_input) or not var_input.shape.is_fully_defined()):
     return None
   labels = trace.einsum_labels(op)
   if labels is None:
@@ -370,7 +360,7 @@ def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   """BatchMatMul of an example-major x (…, T, K) and a 2-D kernel (Keras 3's EinsumDense)."""
   if (op.type not in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
-      or not _same(op.inputs[1], var_input) or _same(op.inputs[0], var_input)
+      or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("adj_x") or var_input.shape.rank != 2
       or op.inputs[0].shape.rank is None or op.inputs[0].shape.rank < 2
       or trace.batch_axis(op.inputs[0]) != 0):
@@ -417,6 +407,11 @@ RULES: dict[str, Rule] = {
     "broadcast": Rule(_match_broadcast, _broadcast_factor),
     "einsum": Rule(_match_einsum, _contraction_factor),
     "batch_matmul": Rule(_match_batch_matmul, _contraction_factor),
+    # Depthwise, 3-D, transposed and dilated (SpaceToBatchND) convolutions: `conv_rules.py`.
+    "depthwise": Rule(conv_rules.match_depthwise, conv_rules.depthwise_factor),
+    "conv3d": Rule(conv_rules.match_conv3d, conv_rules.conv3d_factor),
+    "conv_transpose": Rule(conv_rules.match_transposed, conv_rules.transposed_factor),
+    "blocked_conv2d": Rule(conv_rules.match_blocked_conv2d, conv_rules.blocked_conv2d_factor),
 }
 
 
@@ -445,15 +440,10 @@ def _grouped(op: tf.Operation) -> bool:
   return c is None or c != op.inputs[1].shape[-2]
 
 
-# op type -> predicate: the per-example gradient of its filter is wrong under pfor (relative
-# error ~1 on TF 2.15, CPU; grouped Conv3D fails to run). Audited: Conv1D/2D/3D with strides,
-# dilation, groups; Conv*Transpose; Depthwise and Separable convs; LocallyConnected; pooling;
-# UpSampling; Embedding; SimpleRNN/LSTM/GRU (loop, unrolled, bidirectional, time-major); ConvLSTM2D;
-# MultiHeadAttention; Attention; Layer/Group/Unit normalization; PReLU; Resizing; padding, cropping.
-# TF 2.21 with Keras 3 (CPU): the same, its grouped convs being jit-compiled calls (relative error
-# 1.0-1.3 under pfor; grouped Conv3D fails to run), found in their bodies; EinsumDense and
-# MultiHeadAttention exact. (MultiHeadAttention's key bias has a zero gradient, softmax being
-# shift-invariant: both sides are rounding noise there, ~1e-8 against gradients of norm ~10.)
+# op type -> predicate: whether pfor's per-example gradient through this op is wrong or fails to
+# run, so that the fallback loops instead. Grouped convolutions (Conv2D, Conv3D; in Keras 3 they sit
+# in jit-compiled call bodies, which `pfor_unsafe` searches): pfor gives their filter gradients a
+# relative error of about 1, and grouped Conv3D does not run.
 PFOR_WRONG: dict[str, Callable[[tf.Operation], bool]] = {
     "Conv2D": _grouped,
     "Conv3D": _grouped,

@@ -116,6 +116,18 @@ def function_graph(op: tf.Operation, attr: str = "f") -> Optional[tf.Graph]:
     return None
 
 
+def same(a: tf.Tensor, b: tf.Tensor) -> bool:
+  """Whether `a` and `b` are the same graph tensor."""
+  return a.name == b.name
+
+
+def skip_identity(t: tf.Tensor) -> tf.Tensor:
+  """`t` before the Identity ops that copy it."""
+  while t.op.type == "Identity":
+    t = t.op.inputs[0]
+  return t
+
+
 def function_bodies(op: tf.Operation) -> list[Optional[tf.Graph]]:
   """The bodies of the functions `op` calls (a call, a loop's cond and body, a branch), in its
   attributes' order; None for one the graph cannot resolve."""
@@ -226,7 +238,7 @@ def _einsum(op: tf.Operation, ins: list[Info]) -> Info:
 
 def _spatial(op: tf.Operation, ins: list[Info]) -> Info:
   """Convolution, pooling, resizing: axis 0 of the data input is kept, other inputs unbatched."""
-  data = 2 if op.type.endswith("BackpropInput") else 0  # Conv*Transpose: (sizes, filter, dz).
+  data = 2 if "BackpropInput" in op.type else 0  # Conv*Transpose: (sizes, filter, dz).
   if ins[data].axis == 0 and all(i.axis is None for j, i in enumerate(ins) if j != data):
     return ins[data]
   return None
@@ -599,7 +611,7 @@ _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandl
 # The ops through which a step's data enters a graph (the one list the package keeps).
 DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
                           "MultiDeviceIteratorGetNextFromShard"})
-_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # Ops that call a function.
 
 # How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` (a number of
 # hops) the values assigned to the variables the ops read; `constants` (a batch size) treats
@@ -868,7 +880,7 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = [Mixed(op, why)] * len(op.outputs)
       elif any(i is None for i in ins):
         outs = [None] * len(op.outputs)
-      elif op.type in _CALLS:
+      elif op.type in CALLS:
         outs = _call_outputs(op, ins, memo)
       elif all(i.axis is None for i in ins):
         # Depends on no example (a random mask, a shape), unless a function body (a branch, a

@@ -1,0 +1,265 @@
+"""Per-example rules for the convolutions beyond `rules.py`'s Conv2D: depthwise, 3-D (grouped too),
+transposed, and dilated 2-D convs.
+
+Each rule reads the rows of one example from the patches of the op's data (`_patches`, shifted
+slices in the op's own padding, strides and dilations) and the gradient of its output:
+
+* `DepthwiseConv2dNative` (DepthwiseConv2D, SeparableConv1D/2D's depthwise kernel): channel c's
+  kernel is Σ_p patch_p[c]ᵀ dz_p[c], a `GroupedOuter` with one group per input channel.
+* `Conv3D`: Σ_p patch_pᵀ dz_p, an `Outer`; grouped (Keras' grouped Conv3D is a call of a function
+  whose body is the Conv3D), a `GroupedOuter` of the groups' channels.
+* `Conv2DBackpropInput`, `Conv3DBackpropInputV2` (Conv1D/2D/3DTranspose): the op is the input
+  gradient of a conv z ↦ y whose kernel gradient is Conv*BackpropFilter(dy, z):
+  Σ_p patch(dy)_pᵀ z_p, an `Outer` of the output gradient's patches and the data's rows.
+* A Conv2D or DepthwiseConv2dNative of a SpaceToBatchND (how TF dilates 2-D convs): the data's axis
+  0 holds blocks of examples (`trace.Batch.block`), whose rows are regrouped by example.
+
+A match needs channels-last data, SAME or VALID padding, static sizes that reproduce the op's own
+output size, and axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the
+fallback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import trace
+
+_TRANSPOSED = ("Conv2DBackpropInput", "Conv3DBackpropInputV2")
+
+
+def _out_size(size: int, k: int, stride: int, dilation: int, padding: str) -> tuple[int, int]:
+  """(output size, padding before) of a windowed op along one axis (TF's GetWindowedOutputSize)."""
+  span = dilation * (k - 1) + 1
+  if padding == "VALID":
+    return (size - span) // stride + 1, 0
+  out = -(-size // stride)
+  return out, max((out - 1) * stride + span - size, 0) // 2
+
+
+def _patches(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[int],
+             padding: str) -> tf.Tensor:
+  """(N, P, prod(ksize)·C): each output position's receptive field in channels-last `x`
+  (N, *spatial, C) of static sizes, features ordered (kernel offset, channel) as a kernel's rows."""
+  sizes = x.shape[1:-1]
+  outs, pads = zip(*(_out_size(*a, padding) for a in zip(sizes, ksize, strides, dilations)))
+  span = [d * (k - 1) + 1 for k, d in zip(ksize, dilations)]
+  after = [(o - 1) * s + sp - n - p for o, s, sp, n, p in zip(outs, strides, span, sizes, pads)]
+  if any(pads) or any(a > 0 for a in after):
+    x = tf.pad(x, [[0, 0], *([p, max(a, 0)] for p, a in zip(pads, after)), [0, 0]])
+  slices = []
+  for offsets in itertools.product(*(range(k) for k in ksize)):
+    index = tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
+                  for o, d, n, s in zip(offsets, dilations, outs, strides))
+    slices.append(x[(slice(None), *index)])
+  return tf.reshape(tf.stack(slices, axis=-2), [-1, math.prod(outs), len(slices) * x.shape[-1]])
+
+
+def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor,
+             ksize: list[int]) -> Optional[tuple[list[int], list[int], str]]:
+  """(strides, dilations, padding) of a channels-last windowed op whose static sizes give `out`'s
+  spatial sizes from `data`'s, else None."""
+  rank = data.shape.rank
+  if (rank is None or rank != len(ksize) + 2 or out.shape.rank != rank
+      or not data.shape[1:].is_fully_defined() or not out.shape[1:-1].is_fully_defined()
+      or op.get_attr("data_format") not in (b"NHWC", b"NDHWC")):
+    return None
+  padding = op.get_attr("padding").decode()
+  strides, dilations = op.get_attr("strides"), op.get_attr("dilations")
+  if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[-1] != 1 or (
+      dilations[0] != 1 or dilations[-1] != 1):
+    return None
+  strides, dilations = list(strides[1:-1]), list(dilations[1:-1])
+  outs = [_out_size(*a, padding)[0] for a in zip(data.shape[1:-1], ksize, strides, dilations)]
+  if outs != out.shape[1:-1].as_list() or min(outs) < 1:
+    return None
+  return strides, dilations, padding
+
+
+def _blocks(x: tf.Tensor) -> Optional[int]:
+  """How many blocks axis 0 of `x` holds: 1 if it is the examples, prod(block shape) after a
+  SpaceToBatchND (a dilated conv; block-major, each block example-major), None if unproven."""
+  info = trace.batch_info(x)
+  if not isinstance(info, trace.Batch) or info.axis != 0 or info.block == trace.MERGED:
+    return None
+  return math.prod(info.block)
+
+
+def _rows(t: tf.Tensor, m: tf.Tensor, dtype: tf.DType, blocks: int, *widths: int) -> tf.Tensor:
+  """(M, rows, *widths): the rows of `t` (`blocks` blocks of examples on axis 0) grouped by
+  microbatch."""
+  t = tf.cast(t, dtype)
+  if blocks > 1:  # (blocks · B, ...) -> (B, blocks, ...)
+    t = tf.transpose(tf.reshape(t, [blocks, tf.shape(t)[0] // blocks, -1]), [1, 0, 2])
+  return tf.reshape(t, [m, -1, *widths])
+
+
+# ---------------------------------------------------------------------------------------------
+# DepthwiseConv2dNative.
+
+
+def _depthwise_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
+  """(blocks of the data, strides, dilations, padding), or None."""
+  if (op.type != "DepthwiseConv2dNative" or not trace.same(op.inputs[1], var_input)
+      or trace.same(op.inputs[0], var_input)):
+    return None
+  x, w = op.inputs[0], op.inputs[1]
+  if not w.shape.is_fully_defined() or x.shape.rank != 4 or w.shape[2] != x.shape[-1]:
+    return None
+  windows = _windows(op, x, op.outputs[0], w.shape[:2])
+  blocks = _blocks(x)
+  return None if windows is None or blocks is None else (blocks, *windows)
+
+
+def match_depthwise(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  return None if _depthwise_use(op, var_input) is None else "depthwise"
+
+
+def depthwise_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+                     var: tf.Variable) -> F.Factor:
+  """Depthwise z[c·K + k] = x[c] ⋆ w[:, :, c, k]: channel c's kernel gradient is
+  Σ_p patch_p[c]ᵀ dz_p[c, :], one group per input channel."""
+  kh, kw, c, mult = op.inputs[1].shape
+  blocks, *windows = _depthwise_use(op, op.inputs[1])
+  patches = _patches(op.inputs[0], [kh, kw], *windows)
+  a = tf.transpose(_rows(patches, m, var.dtype, blocks, kh * kw, c), [0, 1, 3, 2])
+  return F.GroupedOuter(a, _rows(grad, m, var.dtype, blocks, c, mult), tuple(var.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv2D of a SpaceToBatchND (a dilated Conv2D; the "conv" rule takes example-major data).
+
+
+def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
+  """(blocks of the data, strides, dilations, padding) of an ungrouped Conv2D, or None."""
+  if op.type != "Conv2D" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
+    return None
+  x, w = op.inputs[0], op.inputs[1]
+  if (not w.shape.is_fully_defined() or x.shape.rank != 4 or w.shape[2] != x.shape[-1]
+      or op.get_attr("explicit_paddings")):
+    return None
+  windows = _windows(op, x, op.outputs[0], w.shape[:2])
+  blocks = _blocks(x)
+  return None if windows is None or blocks is None or blocks < 2 else (blocks, *windows)
+
+
+def match_blocked_conv2d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  return None if _blocked_conv2d_use(op, var_input) is None else "blocked_conv2d"
+
+
+def blocked_conv2d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+                          var: tf.Variable) -> F.Factor:
+  """Conv2D: g = Σ_p patch_pᵀ dz_p over each example's positions in every block."""
+  kh, kw, cin, cout = op.inputs[1].shape
+  blocks, *windows = _blocked_conv2d_use(op, op.inputs[1])
+  patches = _patches(op.inputs[0], [kh, kw], *windows)
+  return F.Outer(_rows(patches, m, var.dtype, blocks, kh * kw * cin),
+                 _rows(grad, m, var.dtype, blocks, cout), tuple(var.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv3D, grouped in a function body (Keras' grouped Conv3D).
+
+
+def _in_call(op: tf.Operation, var_input: tf.Tensor, conv_type: str) -> Optional[tf.Operation]:
+  """The `conv_type` op of a call of two inputs, the data and the kernel (a read of it, or the
+  resource handle read in the body), whose body computes that op and nothing else."""
+  k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
+  body = trace.function_graph(op)
+  if len(op.inputs) != 2 or len(k) != 1 or body is None or len(body.inputs) != 2:
+    return None
+  x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
+  conv = trace.skip_identity(body.outputs[0]).op
+  if conv.type != conv_type:
+    return None
+  w_path, path = trace.skip_identity(conv.inputs[1]), [conv]
+  if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
+    path.append(w_path.op)
+    w_path = w_path.op.inputs[0]
+  if not (trace.same(trace.skip_identity(conv.inputs[0]), x_in) and trace.same(w_path, w_in)):
+    return None
+  rest = [o for o in body.get_operations() if o not in path
+          and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
+  return None if rest else conv
+
+
+def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
+  """(the Conv3D, its data in `op`'s graph, groups, strides, dilations, padding), or None."""
+  if op.type == "Conv3D":
+    if not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
+      return None
+    conv, x = op, op.inputs[0]
+  elif op.type in trace.CALLS:
+    conv = _in_call(op, var_input, "Conv3D")
+    if conv is None:
+      return None
+    x = op.inputs[1 - [trace.same(t, var_input) for t in op.inputs].index(True)]
+  else:
+    return None
+  w = conv.inputs[1]
+  if not w.shape.is_fully_defined() or x.shape.rank != 5 or x.shape[-1] is None:
+    return None
+  groups, cin, cout = x.shape[-1] // w.shape[3], w.shape[3], w.shape[4]
+  if groups * cin != x.shape[-1] or cout % groups:
+    return None
+  windows = _windows(conv, x, op.outputs[0], w.shape[:3])
+  if windows is None or trace.batch_axis(x) != 0:
+    return None
+  return (conv, x, groups, *windows)
+
+
+def match_conv3d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  return None if _conv3d_use(op, var_input) is None else "conv3d"
+
+
+def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """Conv3D: g = Σ_p patch_pᵀ dz_p; grouped, group g's columns take the patches of its input
+  channels and its output channels' gradients."""
+  conv, x, groups, *windows = next(filter(None, (_conv3d_use(op, t) for t in op.inputs[::-1])))
+  kd, kh, kw, cin, cout = conv.inputs[1].shape
+  patches = _patches(x, [kd, kh, kw], *windows)
+  if groups == 1:
+    return F.Outer(_rows(patches, m, var.dtype, 1, kd * kh * kw * cin),
+                   _rows(grad, m, var.dtype, 1, cout), tuple(var.shape))
+  a = tf.transpose(_rows(patches, m, var.dtype, 1, kd * kh * kw, groups, cin), [0, 1, 3, 2, 4])
+  a = tf.reshape(a, [m, -1, groups, kd * kh * kw * cin])
+  d = _rows(grad, m, var.dtype, 1, groups, cout // groups)
+  return F.GroupedOuter(a, d, tuple(var.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv2DBackpropInput, Conv3DBackpropInputV2 (transposed convolutions).
+
+
+def _transposed_use(op: tf.Operation,
+                    var_input: tf.Tensor) -> Optional[tuple[list[int], list[int], str]]:
+  """y = the transposed conv of data z by a filter (…, C_y, C_z): the windows of the conv y ↦ z."""
+  if (op.type not in _TRANSPOSED or not trace.same(op.inputs[1], var_input)
+      or trace.same(op.inputs[2], var_input)):
+    return None
+  w, z, y = op.inputs[1], op.inputs[2], op.outputs[0]
+  if (not w.shape.is_fully_defined() or not y.shape.rank == z.shape.rank == w.shape.rank
+      or w.shape[-2] != y.shape[-1] or w.shape[-1] != z.shape[-1]):
+    return None
+  windows = _windows(op, y, z, w.shape[:-2])
+  return None if windows is None or trace.batch_axis(z) != 0 else windows
+
+
+def match_transposed(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  return None if _transposed_use(op, var_input) is None else "conv_transpose"
+
+
+def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
+                      var: tf.Variable) -> F.Factor:
+  """Transposed conv y of z: the kernel gradient is the conv y ↦ z's, with dy as its data and z
+  as its output gradient, g = Σ_p patch(dy)_pᵀ z_p."""
+  w, z, y = op.inputs[1], op.inputs[2], op.outputs[0]
+  dy = tf.reshape(grad, [-1, *y.shape[1:]])  # y's static sizes (checked by the match).
+  patches = _patches(dy, w.shape[:-2], *_transposed_use(op, w))
+  return F.Outer(_rows(patches, m, var.dtype, 1, w.shape[:-1].num_elements()),
+                 _rows(z, m, var.dtype, 1, w.shape[-1]), tuple(var.shape))
