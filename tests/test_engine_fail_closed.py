@@ -130,6 +130,20 @@ def test_fit_self_checks_a_synthetic_batch_not_the_data(data):
   assert bool(optimizer._self_check_flags.items) == (data == "own_train_step")
 
 
+def test_fit_keeps_the_in_step_check_where_the_step_takes_other_rules(monkeypatch):
+  """The synthetic check vouches only for the rules it saw: a step whose trace takes others (a
+  replica's step on the fallback) is checked on its own first batch."""
+  from tfdp_variants import preflight  # pylint: disable=import-outside-toplevel
+  passed = preflight.run
+  monkeypatch.setattr(preflight, "run", lambda *a, **k: passed(*a, **k) and ("fallback",) * 4)
+  x, y = _data()
+  model, optimizer = _model(), _optimizer()
+  model.compile(optimizer=optimizer, loss=_LOSS)
+  model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  _assert_trained_exactly(model, x, y)
+  assert optimizer.per_example_rules == ("outer", "rowsum") * 2 and optimizer._self_check_flags.items
+
+
 def _minimize(optimizer, model, x, y):
   with tf.GradientTape() as tape:
     loss = _mse(y, model(x, training=True))

@@ -334,13 +334,13 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
 
   def _per_example_gradients(self, loss, var_list, tape, model) -> per_example.PerExampleGradients:
     """The engine's per-microbatch gradients, with the in-step self-check unless `fit` ran it on
-    a synthetic batch (`preflight`)."""
+    a synthetic batch (`preflight`) and this trace takes the rules that check passed with."""
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
     inputs = stack.fit_inputs(model) if model is not None else None
-    checked = inputs is not None and inputs.prechecked
     grads = per_example.compute(loss, tf_vars,
                                 replicas.local_count(self.num_microbatches, type(self).__name__),
-                                tape, self.self_check and not checked)
+                                tape, self.self_check,
+                                checked_rules=None if inputs is None else inputs.prechecked)
     self.per_example_rules = tuple(grads.rules)
     if grads.self_check_flag is not None:
       self._self_check_flags.items.append(grads.self_check_flag)

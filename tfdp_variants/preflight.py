@@ -9,7 +9,8 @@ from no example: floats standard normal, integers 0 (a valid id and label for ev
 loss), booleans True. It computes what Keras' `train_step` computes (the model in training mode,
 then the compiled per-example loss) through the same engine, and raises on a mismatch or on mixing
 as the in-step check would. Once a model passed for an input structure, the steps of its fits skip
-the in-step check.
+the in-step check, but only where a step's trace takes the very rules the check saw (a replica's
+step that reads its data in a cond and takes the fallback keeps it).
 
 Where the step cannot be reproduced (a custom `train_step`, a distribution strategy, a generator
 or PyDataset input, strings) the in-step check stays, on the first batch.
@@ -25,8 +26,8 @@ import tensorflow as tf
 
 from tfdp_variants import per_example
 
-# model -> the input structures (shapes, dtypes) it passed for.
-_PASSED: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+# model -> {input structure (shapes, dtypes): the rules it passed with}.
+_PASSED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _OURS = ("self-check failed", "examples are mixed by the model")  # The check's own errors.
 
 
@@ -62,28 +63,29 @@ def _synthetic(spec: Optional[tf.TensorSpec], batch: int) -> Optional[tf.Tensor]
 
 
 def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: Any = None,
-        batch_size: Optional[int] = None) -> bool:
+        batch_size: Optional[int] = None) -> Optional[tuple[str, ...]]:
   """Runs the self-check of `model` and `optimizer` on a synthetic batch shaped like fit's data.
 
-  Returns whether it passed (the steps of this fit then skip the in-step check); False where the
-  step cannot be reproduced (see the module doc) or the synthetic batch does not fit the model (the
-  in-step check then runs). Raises what the in-step check would raise (InvalidArgumentError on a
+  Returns the rule each variable took when it passed: a step of this fit whose trace takes the
+  same rules skips the in-step check (`per_example.compute`'s `checked_rules`), any other keeps
+  it. None where the step cannot be reproduced (see the module doc) or the synthetic batch does not
+  fit the model (the in-step check then runs). Raises what the in-step check would raise (InvalidArgumentError on a
   mismatch or on mixing), before any step.
   """
   if (tf.distribute.has_strategy() or type(model).train_step is not _KERAS_TRAIN_STEP or
       not getattr(optimizer, "self_check", False) or not model.built):
-    return False
+    return None
   specs = _specs(x if isinstance(x, tf.data.Dataset) else (x, y, sample_weight), batch_size)
   if specs is None:
-    return False
+    return None
   static = {s.shape[0] for s in tf.nest.flatten(specs) if s is not None} - {None}
   microbatches = getattr(optimizer, "num_microbatches", None) or 1
   batch = static.pop() if len(static) == 1 else 2 * microbatches
   if batch % microbatches or batch < 1:
-    return False  # fit refuses this batch size itself.
+    return None  # fit refuses this batch size itself.
   key = repr([(s.shape[1:], s.dtype) for s in tf.nest.flatten(specs) if s is not None])
-  if key in _PASSED.get(model, ()):
-    return True
+  if key in _PASSED.get(model, {}):
+    return _PASSED[model][key]
   xs, ys, ws = (None if s is None else tf.nest.map_structure(lambda t: _synthetic(t, batch), s)
                 for s in specs)
 
@@ -92,19 +94,22 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
     loss = model.compute_loss(x=xs, y=ys, y_pred=model(xs, training=True), sample_weight=ws)
     grads = per_example.compute(loss, model.trainable_variables,
                                 getattr(optimizer, "num_microbatches", None), self_check=True)
+    rules.append(tuple(grads.rules))
     return tf.add_n([tf.reduce_sum(n) for n in grads.squared_norms()])  # Waits for the check.
 
-  if model.trainable_variables:
-    try:
-      check(xs, ys, ws)
-    except tf.errors.InvalidArgumentError as e:
-      if any(text in e.message for text in _OURS):
-        raise
-      return False
-    except Exception:  # pylint: disable=broad-except
-      return False  # The real step raises whatever is structural, with the in-step check on.
-  _PASSED.setdefault(model, set()).add(key)
-  return True
+  rules: list[tuple[str, ...]] = []
+  if not model.trainable_variables:
+    return None
+  try:
+    check(xs, ys, ws)
+  except tf.errors.InvalidArgumentError as e:
+    if any(text in e.message for text in _OURS):
+      raise
+    return None
+  except Exception:  # pylint: disable=broad-except
+    return None  # The real step raises whatever is structural, with the in-step check on.
+  _PASSED.setdefault(model, {})[key] = rules[-1]
+  return rules[-1]
 
 
 _KERAS_TRAIN_STEP = tf.keras.Model.train_step

@@ -130,7 +130,8 @@ def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F
 
 def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
             num_microbatches: Optional[int] = None, tape: Optional[tf.GradientTape] = None,
-            self_check: bool = True) -> PerExampleGradients:
+            self_check: bool = True,
+            checked_rules: Optional[Sequence[str]] = None) -> PerExampleGradients:
   """Per-microbatch gradients of `variables` from per-example `loss` (shape (B,) or (B, ...)).
 
   In a graph (Keras' `fit`, any `tf.function`, nested ones and loops included) standard ops take
@@ -146,6 +147,8 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
       trace and refuse models that mix examples (`self_check.guard`). Later steps pay one variable
       read and a `tf.cond`. Under XLA (jit_compile), which drops assertions, a failure turns
       every later result NaN instead of raising (`self_check`).
+    checked_rules: the rules a self-check on a synthetic batch of the same model passed with
+      (`preflight`): the in-step check is skipped only if this trace takes exactly these rules.
   """
   variables = [as_tf_variable(v) for v in variables]
   if tf.executing_eagerly():
@@ -169,7 +172,8 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
     with tf.control_dependencies([mb_losses]):  # Rows reshaped by M: after the batch is checked.
       factors.append(_variable_factor(var, handle, var_uses, grads, m, slow_factors, unread))
   result = PerExampleGradients(variables, factors, m).finite_only()
-  if not self_check:
+  if not self_check or (checked_rules is not None and
+                        tuple(result.rules) == tuple(checked_rules)):
     return result
   dtypes = {mb_losses.dtype, *(u.output.dtype for u in fast)}
   return self_check_lib.guard(result, mb_losses, loss, handles, dtypes)

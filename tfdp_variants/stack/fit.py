@@ -33,7 +33,8 @@ class FitInputs:
     self.batch_size = batch_size
     self.validation_split = validation_split
     self.registered = None
-    self.prechecked = False  # Whether `preflight.run` passed: the steps skip the in-step check.
+    # The rules `preflight.run` passed with (None: not run): steps taking them skip the in-step check.
+    self.prechecked: Optional[tuple[str, ...]] = None
 
 
 _FIT_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FitInputs.
