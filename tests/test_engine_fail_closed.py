@@ -319,8 +319,8 @@ def test_per_example_normalization_passes(layer):
 
 def _break_the_bias_rule(monkeypatch) -> None:
   """Makes the engine's bias rule wrong (a misgrouping): microbatch 0's bias gradient doubled."""
-  from tfdp_variants.per_example import engine  # pylint: disable=import-outside-toplevel
-  factor = engine._factor
+  from tfdp_variants.per_example import rules  # pylint: disable=import-outside-toplevel
+  factor = rules.factor
 
   def wrong(use, grad, m, var):
     f = factor(use, grad, m, var)
@@ -328,7 +328,7 @@ def _break_the_bias_rule(monkeypatch) -> None:
       f.g = tf.concat([f.g[:1] * 2.0, f.g[1:]], 0)
     return f
 
-  monkeypatch.setattr(engine, "_factor", wrong)
+  monkeypatch.setattr(rules, "factor", wrong)
 
 
 def test_self_check_catches_a_wrong_rule(monkeypatch):

@@ -23,8 +23,9 @@ B = 4
 DENSE = ["outer", "rowsum"]
 # Rules of a normalization layer's scale and offset.
 NORM = ["rowsum", "rowsum"]
-# Rules of a looped recurrent layer's kernel, recurrent kernel and bias (read in the loop body).
-RNN = ["fallback"] * 3
+# Rules of a looped recurrent layer's kernel, recurrent kernel and bias: the layer runs the loop of
+# `per_example.recurrence` (kernel and bias hoisted, the recurrent kernel's "loop_matmul").
+RNN = ["outer", "outer", "rowsum"]
 
 
 
@@ -127,7 +128,7 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     # The ids' examples lie on axis 1: the gather rule cannot group rows, the fallback is exact.
     "embedding_time_major": (_time_major_embedding, _ints(B, 5), ["fallback", *DENSE]),
     # Looped RNNs: the batch-axis analysis follows the while loop, so the layers after it take
-    # their rules; the cell's own weights (read in the loop body) take the fallback.
+    # their rules; the cell's own weights as `RNN` says.
     "lstm": (lambda: _seq((4, 3), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),
     "gru": (lambda: _seq((4, 3), L.GRU(3), L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),
     "simple_rnn": (lambda: _seq((4, 3), L.SimpleRNN(3), L.Dense(2)), _floats(B, 4, 3),
@@ -136,6 +137,15 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                     L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),
     "bidirectional_gru": (lambda: _seq((4, 3), L.Bidirectional(L.GRU(2)), L.Dense(2)),
                           _floats(B, 4, 3), RNN * 2 + DENSE),
+    "gru_no_bias_backwards": (lambda: _seq((4, 3), L.GRU(3, use_bias=False, go_backwards=True),
+                                           L.Dense(2)), _floats(B, 4, 3),
+                              ["outer", "outer", *DENSE]),
+    "lstm_into_simple_rnn": (lambda: _seq((4, 3), L.LSTM(3, return_sequences=True),
+                                          L.SimpleRNN(2, go_backwards=True), L.Dense(2)),
+                             _floats(B, 4, 3), RNN * 2 + DENSE),
+    # A mask keeps Keras' own loop: its weights take the fallback.
+    "lstm_masked": (lambda: _seq((4, 3), L.Masking(), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3),
+                    ["fallback"] * 3 + DENSE),
     "shared_dense": (_shared_dense, _floats(B, 4), DENSE * 2),
     # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
     "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),

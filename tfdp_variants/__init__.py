@@ -79,6 +79,7 @@ from tfdp_variants.optimizers import QuantileClipAdam
 from tfdp_variants.optimizers import QuantileClipSGD
 from tfdp_variants.optimizers import TanhFilterAdam
 from tfdp_variants.optimizers import TanhFilterSGD
+from tfdp_variants.per_example import enable_recurrences
 from tfdp_variants.per_example import per_example_gradients
 
 stack.install()

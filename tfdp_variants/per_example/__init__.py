@@ -5,6 +5,7 @@ from tfdp_variants.per_example.engine import compute
 from tfdp_variants.per_example.engine import norms_function
 from tfdp_variants.per_example.engine import per_example_gradients
 from tfdp_variants.per_example.gradients import PerExampleGradients
+from tfdp_variants.per_example.recurrence import enable as enable_recurrences
 
-__all__ = ["PerExampleGradients", "as_tf_variable", "compute", "norms_function",
-           "per_example_gradients"]
+__all__ = ["PerExampleGradients", "as_tf_variable", "compute", "enable_recurrences",
+           "norms_function", "per_example_gradients"]

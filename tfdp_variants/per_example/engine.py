@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfdp_variants import validation
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import recurrence
 from tfdp_variants.per_example import rules
 from tfdp_variants.per_example.gradients import PerExampleGradients
 from tfdp_variants.per_example import self_check as self_check_lib
@@ -48,12 +49,6 @@ def microbatch_losses(loss: tf.Tensor,
       loss = tf.identity(loss)
   return (tf.reduce_mean(tf.reshape(loss, [num_microbatches, -1]), axis=1),
           tf.constant(num_microbatches))  # A constant M keeps the factors' static shapes.
-
-
-def _factor(use: rules.Use, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
-  """The factor of one use, from the op's inputs and the gradient of its output (`rules.py`),
-  negated for a negated read (`Use.sign`)."""
-  return rules.factor(use.kind, use.op, grad if use.sign > 0 else -grad, m, var)
 
 
 def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
@@ -122,8 +117,8 @@ def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F
     return next(unread)
   if var_uses is None:
     return next(slow_factors)
-  parts = [_factor(u, grads[u.op.name], m, var) for u in var_uses
-           if grads[u.op.name] is not None]  # None: tf.gradients proves no path to the loss.
+  parts = [rules.factor(u, grads[u.output.name], m, var) for u in var_uses
+           if grads[u.output.name] is not None]  # None: tf.gradients proves no path to the loss.
   return (F.concat(parts, tuple(var.shape)) if parts else
           F.Dense(tf.zeros(tf.concat([[m], var.shape], 0), var.dtype)))
 
@@ -161,7 +156,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   forward = set(trace.ancestors(mb_losses))
   uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
-  grads = dict(zip((u.op.name for u in fast),
+  grads = dict(zip((u.output.name for u in fast),
                    tf.gradients(tf.reduce_sum(mb_losses), [u.output for u in fast])))
   slow = [v for v, h, vu in zip(variables, handles, uses) if h is not None and vu is None]
   slow_factors = iter(_fallback(mb_losses, m, graph, slow) if slow else [])
@@ -211,6 +206,7 @@ def norms_function(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, tf.Tenso
 
 def _traced(model, loss_fn, num_microbatches, self_check, read) -> Callable:
   """The `tf.function` (x, y) -> `read(compute(loss_fn(y, model(x)), ...))`."""
+  recurrence.enable(model)
 
   @tf.function
   def run(x, y):

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import loop_rules
 from tfdp_variants.per_example import trace
 
 
@@ -389,10 +390,17 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """How a use matches (`match(op, var_input)`: the kind, or None) and the factor it gives."""
+  """How a use matches (`match(op, var_input)`: the kind, or None) and the factor it gives
+  (`factor(op, grad, m, var)`, `grad` the gradient of the op's output).
 
-  match: Callable[[tf.Operation, tf.Tensor], Optional[str]]
-  factor: Callable[[tf.Operation, tf.Tensor, tf.Tensor, tf.Variable], F.Factor]
+  A rule for a use inside a loop body (`in_loop`) reads which ops reach the loss: `match(op,
+  var_input, forward)` returns its proof (None: no match), whose `probe` is the outer tensor whose
+  gradient the factor needs, and `factor(proof, grad, m, var)` takes that proof.
+  """
+
+  match: Callable[..., Optional[object]]
+  factor: Callable[..., F.Factor]
+  in_loop: bool = False
 
 
 # kind -> rule. `var_input` is the tensor through which the op reads the variable (a read, possibly
@@ -412,23 +420,33 @@ RULES: dict[str, Rule] = {
     "conv3d": Rule(conv_rules.match_conv3d, conv_rules.conv3d_factor),
     "conv_transpose": Rule(conv_rules.match_transposed, conv_rules.transposed_factor),
     "blocked_conv2d": Rule(conv_rules.match_blocked_conv2d, conv_rules.blocked_conv2d_factor),
+    # A looped RNN's recurrent kernel (`recurrence.py` writes the loops it proves).
+    "loop_matmul": Rule(loop_rules.loop_matmul_use, loop_rules.loop_matmul_factor, in_loop=True),
 }
 
 
 @tf.autograph.experimental.do_not_convert
-def match(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  """The kind of the rule that covers this use of a variable, or None (fallback)."""
+def match(op: tf.Operation, var_input: tf.Tensor, forward: set[tf.Operation],
+          sign: int = 1) -> Optional["Use"]:
+  """The use of a variable that a rule covers (None: fallback); `forward` the ops the loss
+  depends on, `sign` as in `Use`."""
   for kind, rule in RULES.items():
-    if rule.match(op, var_input) is not None:
-      return kind
+    if rule.in_loop:
+      proof = rule.match(op, var_input, forward)
+      if proof is not None:
+        return Use(kind, op, sign, proof)
+    elif rule.match(op, var_input) is not None:
+      return Use(kind, op, sign)
   return None
 
 
 @tf.autograph.experimental.do_not_convert
-def factor(kind: str, op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-           var: tf.Variable) -> F.Factor:
-  """The factor of one use, from the op's inputs and the gradient `grad` of its output."""
-  return RULES[kind].factor(op, grad, m, var)
+def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """The factor of one use, from the op's inputs and the gradient `grad` of `use.output`,
+  negated for a negated read (`Use.sign`: every rule is linear in the gradient)."""
+  grad = grad if use.sign > 0 else -grad
+  rule = RULES[use.kind]
+  return rule.factor(use.proof if rule.in_loop else use.op, grad, m, var)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,7 +504,8 @@ class Use:
   """One op that uses a variable and has a per-example rule.
 
   kind: a key of `RULES` ("matmul", "zero_matmul", "conv", "bias_add", "gather",
-  "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs; `sign` -1
+  "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs (the op's
+  output, or an in-loop rule's probe); `sign` -1
   when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
   linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
   """
@@ -494,10 +513,11 @@ class Use:
   kind: str
   op: tf.Operation
   sign: int = 1
+  proof: Optional[object] = None  # An in-loop rule's proof (`Rule.in_loop`).
 
   @property
   def output(self) -> tf.Tensor:
-    return self.op.outputs[0]
+    return self.op.outputs[0] if self.proof is None else self.proof.probe
 
 
 def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation],
@@ -514,10 +534,10 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation],
         return None
       uses.extend(sub)
       continue
-    kind = match(op, tensor)
-    if kind is None:
+    use = match(op, tensor, forward, sign)
+    if use is None:
       return None
-    uses.append(Use(kind, op, sign))
+    uses.append(use)
   return uses
 
 
@@ -536,8 +556,8 @@ def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Us
     if op.type == "ReadVariableOp":
       sub = _uses_of(op.outputs[0], forward)
     else:
-      kind = match(op, handle)
-      sub = None if kind is None else [Use(kind, op)]
+      use = match(op, handle, forward)
+      sub = None if use is None else [use]
     if sub is None:
       return None
     uses.extend(sub)

@@ -1,4 +1,6 @@
-"""What `fit` of a DP model does before and around Keras' own (patched by `stack.patches`).
+"""What `fit` of a DP model does before and around Keras' own (patched by `stack.patches`), and
+`compile`'s one addition: the model's looped RNNs run `per_example.recurrence`'s loops (so does fit,
+for layers built after compile).
 
 Before the first step it refuses batches that would not split into `num_microbatches` (else the
 in-graph check stops fit at the partial last batch, after training on the earlier ones) and runs
@@ -19,6 +21,7 @@ import tensorflow as tf
 
 from tfdp_variants import preflight
 from tfdp_variants import sampling
+from tfdp_variants.per_example import recurrence
 from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.marker import unwrap
 from tfdp_variants.stack.version import keras
@@ -83,6 +86,16 @@ def _refuse_partial_microbatches(microbatches: int, arguments: dict) -> None:
 
 
 keras_fit = keras.Model.fit
+keras_compile = keras.Model.compile
+
+
+@functools.wraps(keras_compile)
+def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
+  """Keras' compile; with a DP optimizer, the model's looped RNNs get per-example rules
+  (`recurrence.enable`)."""
+  keras_compile(self, *args, **kwargs)
+  if is_dp(unwrap(getattr(self, "optimizer", None))):
+    recurrence.enable(self)
 
 
 @functools.wraps(keras_fit)
@@ -94,6 +107,7 @@ def fit(self, *args, **kwargs):
   arguments = inspect.signature(keras_fit).bind(self, *args, **kwargs).arguments
   if optimizer.num_microbatches is not None:
     _refuse_partial_microbatches(optimizer.num_microbatches, arguments)
+  recurrence.enable(self)
   inputs = _FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
                                          arguments.get("validation_split", 0.0))
   try:

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfdp_variants import replicas
+from tfdp_variants.stack import recurrent
 from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
@@ -131,5 +132,5 @@ def reported_loss(loss: tf.Tensor) -> tf.Tensor:
 
 
 def install(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 2 needs no patch of its own (`stack.patches` has the shared ones)."""
-  del patch
+  """Keras 2's patch of its own: the looped RNN layers' `call` (`recurrent`)."""
+  recurrent.install_keras2(patch)

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfdp_variants import replicas
 from tfdp_variants import validation
+from tfdp_variants.stack import recurrent
 from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
@@ -255,5 +256,6 @@ def _reduce_per_replica(values, strategy, reduction="auto"):
 def install(patch: Callable[[object, str, Callable], None]) -> None:
   """Keras 3's patches, each through `patch(owner, name, wrapper)` (`stack.patches`)."""
   patch(tf.GradientTape, "gradient", _recording_gradient)
+  recurrent.install_keras3(patch)
   patch(keras.Model, "_maybe_symbolic_build", _maybe_symbolic_build)
   patch(_tf_trainer, "reduce_per_replica", _reduce_per_replica)

@@ -1,7 +1,8 @@
 """The patches of Keras and TensorFlow, applied once by `install()` (idempotent).
 
 Each wrapper acts only where a DP optimizer is involved (`marker.is_dp`) and is Keras' or TF's own
-method everywhere else: `Model.compute_loss` (`model_loss`), `Model.fit` (`fit`), the mixing
+method everywhere else: `Model.compute_loss` (`model_loss`), `Model.fit` and `Model.compile`
+(`fit`; compile lets the looped RNNs run `per_example.recurrence`'s loops), the mixing
 layers' `call` (`eager_mixing`), TF's sparse cross entropy inside `losses.bounded_labels()` only,
 and the chosen Keras' own (`keras3.install`: `GradientTape.gradient` records its targets in
 graphs, two tf.distribute workarounds).
@@ -31,6 +32,7 @@ def install() -> None:
   """Applies every patch (once: a second call changes nothing)."""
   _patch(keras.Model, "compute_loss", model_loss.compute_loss)
   _patch(keras.Model, "fit", fit.fit)
+  _patch(keras.Model, "compile", fit.compile)
   eager_mixing.install(_patch)
   losses.install(_patch)
   chosen.install(_patch)

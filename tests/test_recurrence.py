@@ -1,0 +1,136 @@
+"""Looped RNNs on their rules: `per_example.recurrence`'s loops compute Keras' values, and the
+"loop_matmul" rule matches only a loop whose body proves it (any other loop: the exact fallback)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import engine_helpers
+import tfdp_variants
+from tfdp_variants import per_example
+from tfdp_variants.per_example import recurrence
+
+L = tf.keras.layers
+B, T, D, H = 4, 5, 3, 6
+
+
+def _x():
+  return tf.random.stateless_normal([B, T, D], seed=[3, 4])
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
+@pytest.mark.parametrize("go_backwards", [False, True])
+def test_loops_compute_keras_values(layer, go_backwards):
+  """Outputs, last output and states equal those of Keras' own loop, in a graph."""
+  tf.keras.utils.set_random_seed(0)
+  keras_layer = getattr(L, layer)(H, return_sequences=True, return_state=True,
+                                  go_backwards=go_backwards)
+  ours = getattr(L, layer)(H, return_sequences=True, return_state=True, go_backwards=go_backwards)
+  x = _x()
+  want = keras_layer(x)
+  ours(x)
+  ours.set_weights(keras_layer.get_weights())
+  model = tf.keras.Sequential([ours])
+  recurrence.enable(model)
+  got = tf.function(lambda x: ours(x, training=True))(x)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _loop_model(variant: str):
+  """A hand-written recurrence (`recurrence._loop`'s shape), changed as `variant` says; returns
+  (variables, per-example loss function)."""
+  w = tf.Variable(tf.random.stateless_normal([D, H], seed=[1, 1]) * 0.5)
+  u = tf.Variable(tf.random.stateless_normal([H, H], seed=[1, 2]) * 0.5)
+
+  def loss(x):
+    probe = extra = tf.transpose(tf.matmul(x, w), [1, 0, 2])  # (T, B, H)
+    if variant == "shared_probe":  # One row for all examples, broadcast: no example's gradient.
+      probe = tf.ones([T, 1, H])
+    rec = tf.convert_to_tensor(u)
+    inputs = tf.TensorArray(tf.float32, size=T, element_shape=[None, H])
+    rows = lambda p: tf.TensorArray(tf.float32, size=T, element_shape=p.shape[1:]).unstack(p)
+    probe_rows, extra_rows = rows(probe), rows(extra)
+
+    def body(t, inputs, h):
+      r = tf.matmul(h, rec)
+      if variant == "kernel_twice":
+        r += tf.matmul(tf.tanh(h), rec)
+      z = r + (tf.gather(probe, t) if variant == "gathered_row" else probe_rows.read(t))
+      if variant == "shared_probe":
+        z += extra_rows.read(t)
+      new = tf.tanh(z)
+      written = 2.0 * h if variant == "other_row_written" else h
+      step = 2 if variant == "counter_by_two" else 1
+      return t + step, inputs.write(t, written), new
+
+    _, inputs, h = tf.while_loop(lambda t, *_: t < T, body,
+                                 (tf.constant(0), inputs, tf.zeros([tf.shape(x)[0], H])),
+                                 maximum_iterations=T)
+    out = tf.reduce_sum(h**2, 1)
+    if variant == "probe_read_outside":
+      out += tf.reduce_sum(tf.transpose(probe, [1, 0, 2])**2, [1, 2])
+    return out
+
+  return [w, u], loss
+
+
+@pytest.mark.parametrize("variant,rule", [
+    ("plain", "outer"), ("shared_probe", "fallback"), ("gathered_row", "fallback"),
+    ("kernel_twice", "fallback"),
+    ("other_row_written", "fallback"), ("counter_by_two", "fallback"),
+    ("probe_read_outside", "fallback")])
+def test_loop_rule_matches_only_proven_loops(variant, rule):
+  """Each change to the proven structure sends the recurrent kernel to the fallback, and every
+  result is exact against single-example gradients."""
+  variables, loss = _loop_model(variant)
+  x = _x()
+
+  seen = {}
+
+  @tf.function
+  def run(x):
+    grads = per_example.compute(loss(x), variables)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  got = run(x)
+  assert seen["rules"] == ["outer", rule]
+  for i in range(B):
+    with tf.GradientTape() as tape:
+      value = loss(x[i:i + 1])[0]
+    for g, r in zip(got, tape.gradient(value, variables)):
+      np.testing.assert_allclose(g[i], r, rtol=1e-4, atol=1e-6)
+
+
+def test_dropout_and_masks_keep_keras_loop():
+  """Recurrent dropout in training, or a mask: Keras' loop, its weights on the fallback."""
+  tf.keras.utils.set_random_seed(0)
+  for layers in ([L.LSTM(3, recurrent_dropout=0.5)], [L.Masking(), L.GRU(3)]):
+    model = tf.keras.Sequential([L.Input((T, D)), *layers, L.Dense(2)])
+    recurrence.enable(model)
+
+    rules = engine_helpers.rules(model, _x(), tf.zeros([B, 2]))
+    assert rules == ["fallback"] * 3 + ["outer", "rowsum"], rules
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_compiled_dp_model_trains_lstm_on_rules(jit_compile):
+  """compile with a DP optimizer is enough (train_on_batch, no fit): the LSTM takes its rules,
+  under XLA too."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([L.Input((T,), dtype="int32"), L.Embedding(20, 4), L.LSTM(H),
+                               L.Dense(2)])
+  optimizer = tfdp_variants.DPAdam(1.0, 0.5, learning_rate=1e-2)
+  model.compile(optimizer=optimizer, jit_compile=jit_compile,
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                   reduction="none"))
+  x = tf.random.stateless_uniform([8, T], seed=[5, 6], maxval=20, dtype=tf.int32)
+  y = tf.random.stateless_uniform([8], seed=[7, 8], maxval=2, dtype=tf.int32)
+  before = [w.copy() for w in model.get_weights()]
+  loss = model.train_on_batch(x, y)
+  assert np.isfinite(loss)
+  assert list(optimizer.per_example_rules) == ["gather", "outer", "outer", "rowsum", "outer",
+                                               "rowsum"]
+  assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))

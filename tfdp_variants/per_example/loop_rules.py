@@ -1,0 +1,166 @@
+"""The per-example rule of a recurrent product inside a while loop (looped RNNs, `recurrence.py`).
+
+A variable U that a loop body uses as `r_t = a_t·U` has, for example i, the gradient
+Σ_t a_{t,i}ᵀ ∂L/∂r_{t,i}: an `Outer` factor, if the a_t and the ∂L/∂r_t can be read outside the
+loop. The rule matches only a loop whose body proves that they can (`loop_matmul_use`):
+  * U enters the loop unchanged (a loop invariant) and its one live use is `MatMul(a_t, U)`;
+  * the product's one live use is an `AddV2` with row t of a loop-invariant list unstacked from a
+    probe q (`TensorListGetItem`, the list's only live use, its row used by nothing else); so
+    ∂L/∂r_t = ∂L/∂q_t, and q's gradient outside the loop holds every step's;
+  * a_t is written to row t of a list that the loop passes through and outputs (`TensorListSetItem`
+    of the list's own input), which stacks to the a_t of every step;
+  * t is the loop counter: 0 on entry, t + 1 after each iteration, so no row is read or written by
+    two iterations; rows of steps that did not run have q-gradient 0 and add nothing;
+  * outside, the list is unstacked from q only for the loop, which is the only consumer of q's
+    values (its shape may be read), and the list's elements and q's rows hold the
+    examples on axis 0 (q: axis 1 of a time-major tensor), proven by `trace.batch_axis`.
+"Live" ops are those that reach the loss: from the loop outputs the loss reads, through the body
+and around the loop (an output feeds the next iteration's input), and the condition's inputs; the
+accumulators that a backward pass adds to the loop are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import trace
+
+_WHILES = frozenset({"While", "StatelessWhile"})
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # Ops that read no value (no gradient).
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopMatMul:
+  """A proven recurrent product: `probe` (outer, time-major (T, B, K)) and `inputs` (the loop's
+  output list whose row t holds a_t, (B, D), of dtype `dtype`)."""
+
+  probe: tf.Tensor
+  inputs: tf.Tensor
+  width: int
+  dtype: tf.DType
+
+
+def _body_ancestors(outputs: list[tf.Tensor]) -> set[tf.Operation]:
+  seen, stack = set(), [t.op for t in outputs]
+  while stack:
+    op = stack.pop()
+    if op not in seen:
+      seen.add(op)
+      stack.extend(t.op for t in op.inputs)
+  return seen
+
+
+def _live_ops(loop: tf.Operation, body: tf.Graph, cond: tf.Graph,
+              forward: set[tf.Operation]) -> set[tf.Operation]:
+  """The body's ops that reach the loss (module docstring)."""
+  index = {t.name: i for i, t in enumerate(body.inputs)}
+  cond_index = {t.name: i for i, t in enumerate(cond.inputs)}
+  live = {j for j, t in enumerate(loop.outputs) if any(c in forward for c in t.consumers())}
+  live |= {cond_index[op.outputs[0].name] for op in _body_ancestors(cond.outputs)
+           if op.type == "Placeholder" and op.outputs[0].name in cond_index}
+  while True:
+    ops = _body_ancestors([body.outputs[j] for j in live])
+    reached = {index[op.outputs[0].name] for op in ops
+               if op.type == "Placeholder" and op.outputs[0].name in index}
+    if reached <= live:
+      return ops
+    live |= reached
+
+
+def _only_use(t: tf.Tensor, live: set[tf.Operation]) -> Optional[tf.Operation]:
+  uses = [c for c in t.consumers() if c in live]
+  return uses[0] if len(uses) == 1 else None
+
+
+def _invariant(body: tf.Graph, t: tf.Tensor) -> Optional[int]:
+  """The loop-variable index of body input `t` if the body passes it through unchanged."""
+  for i, p in enumerate(body.inputs):
+    if p is t:
+      return i if trace.skip_identity(body.outputs[i]) is p else None
+  return None
+
+
+def _counter(loop: tf.Operation, body: tf.Graph, t: tf.Tensor) -> bool:
+  """Whether body input `t` is 0 on entry and t + 1 after each iteration."""
+  i = next((i for i, p in enumerate(body.inputs) if p is t), None)
+  if i is None or trace.constant_value(loop.inputs[i]) != 0:
+    return False
+  step = trace.skip_identity(body.outputs[i]).op
+  return step.type in ("AddV2", "Add") and (
+      (step.inputs[0] is t and trace.constant_value(step.inputs[1]) == 1)
+      or (step.inputs[1] is t and trace.constant_value(step.inputs[0]) == 1))
+
+
+def _written_row(body: tf.Graph, a: tf.Tensor, t: tf.Tensor) -> Optional[int]:
+  """The index of a loop list whose row t the body sets to `a` and that it outputs so set."""
+  for write in a.consumers():
+    if (write.type != "TensorListSetItem" or write.inputs[2] is not a
+        or write.inputs[1] is not t):
+      continue
+    for i, p in enumerate(body.inputs):
+      if p is write.inputs[0] and trace.skip_identity(body.outputs[i]) is write.outputs[0]:
+        return i
+  return None
+
+
+def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
+                    forward: set[tf.Operation]) -> Optional[LoopMatMul]:
+  """The proven recurrent product of `var_input` in while loop `loop` (module docstring)."""
+  k = [i for i, t in enumerate(loop.inputs) if trace.same(t, var_input)]
+  body, cond = trace.function_graph(loop, "body"), trace.function_graph(loop, "cond")
+  if (loop.type not in _WHILES or len(k) != 1 or body is None or cond is None
+      or not len(body.inputs) == len(body.outputs) == len(loop.inputs) == len(cond.inputs)):
+    return None
+  live = _live_ops(loop, body, cond, forward)
+  u = body.inputs[k[0]]
+  product = _only_use(u, live)
+  if (_invariant(body, u) is None or product is None or product.type != "MatMul"
+      or product.inputs[1] is not u or product.inputs[0] is u
+      or product.get_attr("transpose_a") or product.get_attr("transpose_b")):
+    return None
+  a, r = product.inputs[0], product.outputs[0]
+  add = _only_use(r, live)
+  if add is None or add.type not in ("AddV2", "Add") or sum(x is r for x in add.inputs) != 1:
+    return None
+  row = add.inputs[1] if add.inputs[0] is r else add.inputs[0]
+  read = row.op
+  if (read.type != "TensorListGetItem" or _only_use(row, live) is not add
+      or row.shape.rank != 2 or r.shape.rank != 2 or a.shape.rank != 2
+      or not row.shape.is_compatible_with(r.shape) or row.shape[-1] is None):
+    return None
+  rows, t = read.inputs[0], read.inputs[1]
+  kq = _invariant(body, rows)
+  if kq is None or _only_use(rows, live) is not read or not _counter(loop, body, t):
+    return None
+  kl = _written_row(body, a, t)
+  unstacked = loop.inputs[kq]
+  probe = unstacked.op.inputs[0]
+  if (kl is None or unstacked.op.type != "TensorListFromTensor"
+      or sum(trace.same(x, unstacked) for x in loop.inputs) != 1
+      or [c for c in unstacked.consumers() if c in forward] != [loop]
+      or [c for c in probe.consumers() if c in forward and c.type not in _SHAPES]
+      != [unstacked.op]
+      or probe.shape.rank != 3 or trace.batch_axis(probe) != 1
+      or trace.batch_axis(loop.outputs[kl]) != 1):
+    return None
+  return LoopMatMul(probe, loop.outputs[kl], a.shape[-1], a.dtype)
+
+
+def match_loop_matmul(op: tf.Operation, var_input: tf.Tensor,
+                      forward: set[tf.Operation]) -> Optional[str]:
+  return None if loop_matmul_use(op, var_input, forward) is None else "loop_matmul"
+
+
+def loop_matmul_factor(use: LoopMatMul, grad: tf.Tensor, m: tf.Tensor,
+                       var: tf.Variable) -> F.Factor:
+  """g = Σ_t a_tᵀ ∂L/∂q_t per example: rows of the stacked list and of the probe's gradient."""
+  a = tf.raw_ops.TensorListStack(input_handle=use.inputs, element_shape=[-1, use.width],
+                                 element_dtype=use.dtype)
+  rows = lambda x, width: tf.reshape(tf.cast(tf.transpose(x, [1, 0, 2]), var.dtype),
+                                     [m, -1, width])
+  fan_in, fan_out = var.shape
+  return F.Outer(rows(a, fan_in), rows(tf.convert_to_tensor(grad), fan_out), tuple(var.shape))

@@ -1,0 +1,143 @@
+"""Looped LSTM, GRU and SimpleRNN written so that every weight has a per-example rule.
+
+Keras loops over the time steps with the whole cell inside a `tf.while_loop`, so the kernel, the
+recurrent kernel and the bias are all used inside the loop body, where no backward pass outside it
+can see the per-step output gradients. Here the same recurrence is computed with
+  * the input projection z^x = x·W + b hoisted out of the loop, as one product over every time step
+    (an ordinary `BatchMatMulV2` and `AddV2` of an example-major tensor: the "batch_matmul" and
+    "broadcast" rules), and
+  * the recurrent product r_t = h_{t-1}·U the only use of U, inside the loop, added to row t of a
+    loop-invariant *probe* q (z^x itself for LSTM and SimpleRNN, zeros for GRU) and nothing else,
+    and its left operand h_{t-1} written to row t of a list that the loop outputs.
+Then ∂L/∂r_t = ∂L/∂q_t, which one ordinary backward pass gives outside the loop, and U's gradient
+for example i is Σ_t h_{t-1,i}ᵀ ∂L/∂q_{t,i}: an `Outer` factor of the rows of two outer tensors
+(the "loop_matmul" rule, `loop_rules.py`, which proves this structure on the graph rather than
+trusting this module). The values computed are Keras' own cell's, term for term.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+_ENABLED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def enable(model) -> None:
+  """Lets `model`'s looped LSTM, GRU and SimpleRNN layers (nested ones and Bidirectional's
+  included) run this module's loops in graphs, so that their weights have per-example rules.
+
+  `fit` of a model compiled with a DP optimizer calls it, and so do `per_example_gradients` and
+  `norms_function`; a custom training loop calls it once before tracing its step. The values are
+  Keras' own; without it those weights take the exact fallback (about one backward pass per
+  example).
+  """
+  for layer in model._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+    _ENABLED.add(layer)
+
+
+def enabled(layer) -> bool:
+  """Whether `enable` reached `layer`."""
+  return layer in _ENABLED
+
+
+def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.Tensor:
+  """z^x = x·W (+ b) over every time step of an example-major (B, T, D) x."""
+  z = tf.matmul(x, kernel)  # BatchMatMulV2 of a 2-D kernel.
+  return z if bias is None else z + bias
+
+
+def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor, cell: Callable,
+          sequence: Optional[tf.Tensor] = None) -> tuple[tf.Tensor, list[tf.Tensor]]:
+  """Runs `cell(r_t + probe_t, states, sequence_t) -> (h_t, states)` over the time-major (T, B, ·)
+  `probe` (and `sequence`, if given), r_t = states[0]·U; returns the outputs h_t, example-major
+  (B, T, H), and the last states.
+
+  Row t of the probe is read once, at step t, by the one `AddV2` that also takes r_t; h_{t-1} is
+  written to row t of the list `inputs`, which the loop outputs (the `loop_matmul` rule's proof).
+  Rows are read from lists (`TensorArray.unstack`), as Keras does: the gradient of a `tf.gather`
+  of a loop invariant would add a (T, B, K) tensor at every step.
+  """
+  steps = probe.shape[0] if probe.shape[0] is not None else tf.shape(probe)[0]
+  rows = lambda x: tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:]).unstack(x)
+  probe = rows(probe)
+  sequence = None if sequence is None else rows(sequence)
+  outputs = tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
+  inputs = tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
+  recurrent_kernel = tf.convert_to_tensor(recurrent_kernel)
+
+  def body(t, outputs, inputs, *states):
+    h = states[0]
+    z = tf.matmul(h, recurrent_kernel) + probe.read(t)
+    out, new_states = cell(z, list(states), None if sequence is None else sequence.read(t))
+    return (t + 1, outputs.write(t, out), inputs.write(t, h), *new_states)
+
+  _, outputs, inputs, *last = tf.while_loop(  # A bound on the iterations: XLA's lists need it.
+      lambda t, *_: t < steps, body, (tf.constant(0), outputs, inputs, *states),
+      maximum_iterations=steps)
+  return tf.transpose(outputs.stack(), [1, 0, 2]), last
+
+
+def _time_major(z: tf.Tensor) -> tf.Tensor:
+  return tf.transpose(z, [1, 0, 2])
+
+
+def lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
+         activation: Callable, recurrent_activation: Callable) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' LSTM (gates i, f, c, o): (last output, outputs (B, T, H), [h, c])."""
+
+  def cell(z, states, _):
+    _, c = states
+    i, f, g, o = tf.split(z, 4, axis=1)
+    c = recurrent_activation(f) * c + recurrent_activation(i) * activation(g)
+    h = recurrent_activation(o) * activation(c)
+    return h, [h, c]
+
+  probe = _time_major(_project(x, kernel, bias))
+  outputs, (h, c) = _loop(probe, [h0, c0], recurrent_kernel, cell)
+  return h, outputs, [h, c]
+
+
+def simple_rnn(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias,
+               activation: Callable) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' SimpleRNN h_t = act(x_t·W + b + h_{t-1}·U): (last output, outputs, [h])."""
+
+  def cell(z, states, _):
+    h = activation(z)
+    return h, [h]
+
+  probe = _time_major(_project(x, kernel, bias))
+  outputs, (h,) = _loop(probe, [h0], recurrent_kernel, cell)
+  return h, outputs, [h]
+
+
+def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation: Callable,
+        recurrent_activation: Callable) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' GRU with `reset_after=True` (its default; gates z, r, h; bias (2, 3H): input and
+  recurrent): (last output, outputs, [h]).
+
+  The input part x·W + b_in is hoisted; the recurrent part h·U + b_rec stays in the loop (the reset
+  gate multiplies it), its probe b_rec broadcast over the steps: both biases are added to one
+  stacked (B, T, 2, 3H) tensor (the "broadcast" rule).
+  """
+  xw = tf.matmul(x, kernel)
+  # Stacked with x·W even without a bias, so that the analysis sees the probe's rows as examples'.
+  both = tf.stack([xw, tf.zeros_like(xw)], axis=2)
+  if bias is not None:
+    both += bias
+  xz, probe = both[:, :, 0], both[:, :, 1]
+
+  def cell(rec, states, xt):
+    h = states[0]
+    x_z, x_r, x_h = tf.split(xt, 3, axis=1)
+    r_z, r_r, r_h = tf.split(rec, 3, axis=1)
+    z = recurrent_activation(x_z + r_z)
+    r = recurrent_activation(x_r + r_r)
+    h = z * h + (1 - z) * activation(x_h + r * r_h)
+    return h, [h]
+
+  outputs, (h,) = _loop(_time_major(probe), [h0], recurrent_kernel, cell,
+                        _time_major(xz))
+  return h, outputs, [h]

@@ -1,0 +1,94 @@
+"""Looped RNN layers of a DP model, computed so that their weights have per-example rules.
+
+In a graph, the loop of an LSTM, GRU or SimpleRNN layer that `recurrence.enable` reached (`fit` of
+a DP model does) is `per_example.recurrence`'s (the input projection hoisted out of the loop, the
+recurrent product proven by the "loop_matmul" rule) instead of Keras' cell loop: the same values,
+term for term. Any other configuration keeps Keras' own loop, whose weights take the exact
+fallback: a mask, `unroll`, dropout or recurrent dropout in training, a GRU with
+`reset_after=False`, a subclassed cell, eager execution.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import recurrence
+from tfdp_variants.stack.version import keras
+
+def _value(v, dtype: tf.DType) -> Optional[tf.Tensor]:
+  """A read of a Keras variable, outside any loop, in the layer's compute dtype."""
+  return None if v is None else tf.cast(tf.convert_to_tensor(v), dtype)
+
+
+def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
+                     training) -> Optional[tuple]:
+  """(last output, outputs, states) of `layer` by `recurrence`, or None where Keras' loop runs."""
+  cell = layer.cell
+  if (not recurrence.enabled(layer) or not tf.inside_function() or layer.unroll
+      or any(m is not None for m in tf.nest.flatten(mask))
+      or (training and (getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0)))):
+    return None
+  dtype = tf.as_dtype(sequences.dtype)
+  x = tf.reverse(sequences, [1]) if layer.go_backwards else sequences  # Keras reverses the time.
+  states = [tf.cast(s, dtype) for s in tf.nest.flatten(initial_state)]
+  kernel, recurrent_kernel = _value(cell.kernel, dtype), _value(cell.recurrent_kernel, dtype)
+  bias = _value(cell.bias, dtype) if cell.use_bias else None
+  if type(cell) is keras.layers.LSTMCell and len(states) == 2:
+    return recurrence.lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
+                           cell.recurrent_activation)
+  if type(cell) is keras.layers.GRUCell and cell.reset_after and len(states) == 1:
+    return recurrence.gru(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
+                          cell.recurrent_activation)
+  if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1:
+    return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation)
+  return None
+
+
+def _inner_loop(keras_inner_loop: Callable) -> Callable:
+  @functools.wraps(keras_inner_loop)
+  def inner_loop(self, sequences, initial_state, mask, training=False):
+    ours = per_example_loop(self, sequences, initial_state, mask, training)
+    if ours is None:
+      return keras_inner_loop(self, sequences, initial_state, mask, training=training)
+    return ours
+  return inner_loop
+
+
+_LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN)
+
+
+def install_keras3(patch: Callable[[object, str, Callable], None]) -> None:
+  """Keras 3: wraps the looped layers' `inner_loop` (SimpleRNN's is RNN's own)."""
+  for layer in _LAYERS:
+    patch(layer, "inner_loop", _inner_loop(layer.inner_loop))
+
+
+def _call(keras_call: Callable) -> Callable:
+  """Keras 2's `call` of LSTM, GRU and SimpleRNN (each runs its own loop from `call`): ours where
+  `per_example_loop` applies to a plain call (dense batch-major input, not stateful, no runtime
+  output); Keras' otherwise."""
+
+  @functools.wraps(keras_call)
+  def call(self, inputs, mask=None, training=None, initial_state=None):
+    if (isinstance(inputs, (list, tuple)) or not isinstance(inputs, tf.Tensor)
+        or self.stateful or self.time_major or getattr(self, "return_runtime", False)):
+      return keras_call(self, inputs, mask=mask, training=training, initial_state=initial_state)
+    sequences, states, _ = self._process_inputs(inputs, initial_state, None)  # pylint: disable=protected-access
+    ours = per_example_loop(self, sequences, states, mask,  # Dropout: training unless False.
+                            training if isinstance(training, bool) else True)
+    if ours is None:
+      return keras_call(self, inputs, mask=mask, training=training, initial_state=initial_state)
+    last, outputs, states = ours
+    output = outputs if self.return_sequences else last
+    return [output, *states] if self.return_state else output
+
+  return call
+
+
+def install_keras2(patch: Callable[[object, str, Callable], None]) -> None:
+  """Keras 2 (tf-keras, TF 2.15): wraps the looped layers' `call`."""
+  for layer in _LAYERS:
+    patch(layer, "call", _call(layer.call))
