@@ -173,11 +173,14 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "conv3d": (lambda: _seq((4, 5, 4, 2), L.Conv3D(3, 2, strides=(1, 2, 1), padding="same"),
                             L.Flatten(), L.Dense(2)),
                _floats(B, 4, 5, 4, 2), DENSE * 2),
-    # TF dilates Conv3D through SpaceToBatchND, which the batch-axis analysis follows only
-    # into 2-D convs: there every variable takes the fallback.
+    # TF dilates Conv3D through SpaceToBatchND: the rows of its blocks are regrouped by example.
     "conv3d_dilated": (lambda: _seq((5, 5, 5, 2), L.Conv3D(3, 2, dilation_rate=2), L.Flatten(),
                                     L.Dense(2)),
-                       _floats(B, 5, 5, 5, 2), ["fallback"] * 4),
+                       _floats(B, 5, 5, 5, 2), DENSE * 2),
+    "conv3d_dilated_same": (lambda: _seq((6, 5, 4, 2), L.Conv3D(3, 3, dilation_rate=(2, 1, 2),
+                                                                padding="same"),
+                                         L.Flatten(), L.Dense(2)),
+                            _floats(B, 6, 5, 4, 2), DENSE * 2),
     "conv3d_grouped": (lambda: _seq((4, 4, 4, 4), L.Conv3D(4, 2, groups=2), L.Flatten(),
                                     L.Dense(2)),
                        _floats(B, 4, 4, 4, 4), ["grouped", "rowsum", *DENSE]),
@@ -195,11 +198,9 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                               L.Flatten(), L.Dense(2)),
                                  _floats(B, 4, 4, 2),
                                  per_stack(keras3=DENSE * 2, keras2=["fallback"] * 4)),
-    # The batch-axis analysis does not follow Conv3DBackpropInputV2's output yet (its data is
-    # input 2): the layers after it take the fallback.
     "conv3d_transpose": (lambda: _seq((3, 3, 2, 2), L.Conv3DTranspose(3, 2, strides=2),
                                       L.Flatten(), L.Dense(2)),
-                         _floats(B, 3, 3, 2, 2), ["outer", None, None, None]),
+                         _floats(B, 3, 3, 2, 2), DENSE * 2),
     # Dilated 2-D convs run on SpaceToBatchND blocks (block-major on axis 0).
     "conv2d_dilated": (lambda: _seq((7, 7, 2), L.Conv2D(3, 3, dilation_rate=2), L.Flatten(),
                                     L.Dense(2)),
@@ -275,7 +276,7 @@ if hasattr(L, "RMSNormalization"):  # Keras 3 only.
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
-       "conv2d_dilated"]
+       "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards"]
 
 
 def _build(name):

@@ -11,8 +11,9 @@ slices in the op's own padding, strides and dilations) and the gradient of its o
 * `Conv2DBackpropInput`, `Conv3DBackpropInputV2` (Conv1D/2D/3DTranspose): the op is the input
   gradient of a conv z ↦ y whose kernel gradient is Conv*BackpropFilter(dy, z):
   Σ_p patch(dy)_pᵀ z_p, an `Outer` of the output gradient's patches and the data's rows.
-* A Conv2D or DepthwiseConv2dNative of a SpaceToBatchND (how TF dilates 2-D convs): the data's axis
-  0 holds blocks of examples (`trace.Batch.block`), whose rows are regrouped by example.
+* A Conv2D, DepthwiseConv2dNative or ungrouped Conv3D of a SpaceToBatchND (how TF dilates them):
+  the data's axis 0 holds blocks of examples (`trace.Batch.block`), whose rows are regrouped by
+  example.
 
 A match needs channels-last data, SAME or VALID padding, static sizes that reproduce the op's own
 output size, and axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the
@@ -189,7 +190,8 @@ def _in_call(op: tf.Operation, var_input: tf.Tensor, conv_type: str) -> Optional
 
 
 def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
-  """(the Conv3D, its data in `op`'s graph, groups, strides, dilations, padding), or None."""
+  """(the Conv3D, its data in `op`'s graph, groups, blocks of the data, strides, dilations,
+  padding), or None. Blocks: a dilated Conv3D's SpaceToBatchND, of an ungrouped op only."""
   if op.type == "Conv3D":
     if not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
       return None
@@ -208,9 +210,10 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   if groups * cin != x.shape[-1] or cout % groups:
     return None
   windows = _windows(conv, x, op.outputs[0], w.shape[:3])
-  if windows is None or trace.batch_axis(x) != 0:
+  blocks = _blocks(x)
+  if windows is None or blocks is None or (blocks > 1 and conv is not op):
     return None
-  return (conv, x, groups, *windows)
+  return (conv, x, groups, blocks, *windows)
 
 
 def match_conv3d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -220,12 +223,13 @@ def match_conv3d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """Conv3D: g = Σ_p patch_pᵀ dz_p; grouped, group g's columns take the patches of its input
   channels and its output channels' gradients."""
-  conv, x, groups, *windows = next(filter(None, (_conv3d_use(op, t) for t in op.inputs[::-1])))
+  conv, x, groups, blocks, *windows = next(filter(None, (_conv3d_use(op, t)
+                                                        for t in op.inputs[::-1])))
   kd, kh, kw, cin, cout = conv.inputs[1].shape
   patches = _patches(x, [kd, kh, kw], *windows)
   if groups == 1:
-    return F.Outer(_rows(patches, m, var.dtype, 1, kd * kh * kw * cin),
-                   _rows(grad, m, var.dtype, 1, cout), tuple(var.shape))
+    return F.Outer(_rows(patches, m, var.dtype, blocks, kd * kh * kw * cin),
+                   _rows(grad, m, var.dtype, blocks, cout), tuple(var.shape))
   a = tf.transpose(_rows(patches, m, var.dtype, 1, kd * kh * kw, groups, cin), [0, 1, 3, 2, 4])
   a = tf.reshape(a, [m, -1, groups, kd * kh * kw * cin])
   d = _rows(grad, m, var.dtype, 1, groups, cout // groups)

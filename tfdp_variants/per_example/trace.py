@@ -603,7 +603,7 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
 _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 # Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
 # on a blocked tensor makes the axis unknown.
-_BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D",
+_BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D", "Conv3D",
                          "DepthwiseConv2dNative", "BatchToSpaceND"})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
