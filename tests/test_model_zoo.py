@@ -143,9 +143,15 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "lstm_into_simple_rnn": (lambda: _seq((4, 3), L.LSTM(3, return_sequences=True),
                                           L.SimpleRNN(2, go_backwards=True), L.Dense(2)),
                              _floats(B, 4, 3), RNN * 2 + DENSE),
-    # A mask keeps Keras' own loop: its weights take the fallback.
-    "lstm_masked": (lambda: _seq((4, 3), L.Masking(), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3),
-                    ["fallback"] * 3 + DENSE),
+    # Masked steps keep the states: ids 0 are masked, in the middle and at the end.
+    "lstm_masked": (lambda: _seq((6,), L.Embedding(5, 3, mask_zero=True), L.LSTM(3), L.Dense(2),
+                                 dtype="int32"),
+                    tf.constant([[1, 2, 0, 3, 0, 0], [4, 4, 4, 4, 4, 4], [2, 0, 0, 0, 0, 0],
+                                 [3, 1, 2, 0, 1, 0]]), ["gather", *RNN, *DENSE]),
+    "bidirectional_masked": (lambda: _seq((4, 3), L.Masking(), L.Bidirectional(
+        L.SimpleRNN(2, return_sequences=True)), L.Flatten(), L.Dense(2)),
+                             tf.concat([_floats(B, 3, 3), tf.zeros([B, 1, 3])], 1),
+                             RNN * 2 + DENSE),
     "shared_dense": (_shared_dense, _floats(B, 4), DENSE * 2),
     # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
     "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),

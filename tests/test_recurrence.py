@@ -18,21 +18,32 @@ def _x():
   return tf.random.stateless_normal([B, T, D], seed=[3, 4])
 
 
+# Masks of (B, T): padding at the end, a hole in the middle, all steps, none but the first.
+_MASK = tf.constant([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]) > 0
+
+
 @pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
 @pytest.mark.parametrize("go_backwards", [False, True])
-def test_loops_compute_keras_values(layer, go_backwards):
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("zero_output_for_mask", [False, True])
+def test_loops_compute_keras_values(layer, go_backwards, masked, zero_output_for_mask):
   """Outputs, last output and states equal those of Keras' own loop, in a graph."""
+  if zero_output_for_mask and not masked:
+    pytest.skip("the same case as without a mask")
   tf.keras.utils.set_random_seed(0)
-  keras_layer = getattr(L, layer)(H, return_sequences=True, return_state=True,
-                                  go_backwards=go_backwards)
-  ours = getattr(L, layer)(H, return_sequences=True, return_state=True, go_backwards=go_backwards)
+  make = lambda: getattr(L, layer)(H, return_sequences=True, return_state=True,
+                                   go_backwards=go_backwards,
+                                   zero_output_for_mask=zero_output_for_mask)
+  keras_layer, ours = make(), make()
   x = _x()
-  want = keras_layer(x)
+  mask = _MASK if masked else None
+  initial = [tf.fill([B, H], 0.3)] * (2 if layer == "LSTM" else 1)  # Kept at masked steps.
+  want = tf.function(lambda x: keras_layer(x, mask=mask, initial_state=initial,
+                                           training=True))(x)
   ours(x)
   ours.set_weights(keras_layer.get_weights())
-  model = tf.keras.Sequential([ours])
-  recurrence.enable(model)
-  got = tf.function(lambda x: ours(x, training=True))(x)
+  recurrence.enable(tf.keras.Sequential([ours]))
+  got = tf.function(lambda x: ours(x, mask=mask, initial_state=initial, training=True))(x)
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
@@ -104,15 +115,17 @@ def test_loop_rule_matches_only_proven_loops(variant, rule):
       np.testing.assert_allclose(g[i], r, rtol=1e-4, atol=1e-6)
 
 
-def test_dropout_and_masks_keep_keras_loop():
-  """Recurrent dropout in training, or a mask: Keras' loop, its weights on the fallback."""
+def test_masks_take_rules_and_dropout_keeps_keras_loop():
+  """A mask (Masking, `mask_zero`) keeps the rules; recurrent dropout in training keeps Keras' loop
+  (its weights on the fallback). Both exact (the zoo's `lstm_masked` checks values)."""
   tf.keras.utils.set_random_seed(0)
-  for layers in ([L.LSTM(3, recurrent_dropout=0.5)], [L.Masking(), L.GRU(3)]):
+  cases = [([L.LSTM(3, recurrent_dropout=0.5)], ["fallback"] * 3),
+           ([L.Masking(), L.GRU(3)], ["outer", "outer", "rowsum"])]
+  for layers, want in cases:
     model = tf.keras.Sequential([L.Input((T, D)), *layers, L.Dense(2)])
     recurrence.enable(model)
-
     rules = engine_helpers.rules(model, _x(), tf.zeros([B, 2]))
-    assert rules == ["fallback"] * 3 + ["outer", "rowsum"], rules
+    assert rules == want + ["outer", "rowsum"], rules
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

@@ -50,42 +50,58 @@ def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.T
 
 
 def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor, cell: Callable,
-          sequence: Optional[tf.Tensor] = None) -> tuple[tf.Tensor, list[tf.Tensor]]:
+          sequence: Optional[tf.Tensor] = None, mask: Optional[tf.Tensor] = None,
+          zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Runs `cell(r_t + probe_t, states, sequence_t) -> (h_t, states)` over the time-major (T, B, ·)
-  `probe` (and `sequence`, if given), r_t = states[0]·U; returns the outputs h_t, example-major
-  (B, T, H), and the last states.
+  `probe` (and `sequence`, if given), r_t = states[0]·U; returns the last output, the outputs,
+  example-major (B, T, H), and the last states.
 
   Row t of the probe is read once, at step t, by the one `AddV2` that also takes r_t; h_{t-1} is
   written to row t of the list `inputs`, which the loop outputs (the `loop_matmul` rule's proof).
   Rows are read from lists (`TensorArray.unstack`), as Keras does: the gradient of a `tf.gather`
-  of a loop invariant would add a (T, B, K) tensor at every step.
+  of a loop invariant would add a (T, B, K) tensor at every step. A time-major (T, B) `mask` keeps
+  an example's states at its masked steps and outputs its previous output there (or zeros), as
+  Keras' `backend.rnn` does.
   """
   steps = probe.shape[0] if probe.shape[0] is not None else tf.shape(probe)[0]
   rows = lambda x: tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:]).unstack(x)
   probe = rows(probe)
   sequence = None if sequence is None else rows(sequence)
+  mask = None if mask is None else rows(mask)
   outputs = tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   inputs = tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   recurrent_kernel = tf.convert_to_tensor(recurrent_kernel)
 
-  def body(t, outputs, inputs, *states):
+  def body(t, outputs, inputs, previous, *states):
     h = states[0]
     z = tf.matmul(h, recurrent_kernel) + probe.read(t)
     out, new_states = cell(z, list(states), None if sequence is None else sequence.read(t))
-    return (t + 1, outputs.write(t, out), inputs.write(t, h), *new_states)
+    if mask is not None:
+      keep = tf.expand_dims(mask.read(t), 1)
+      out = tf.where(keep, out, tf.zeros_like(out) if zero_output_for_mask else previous)
+      new_states = [tf.where(keep, new, old) for new, old in zip(new_states, states)]
+    return (t + 1, outputs.write(t, out), inputs.write(t, h), out, *new_states)
 
-  _, outputs, inputs, *last = tf.while_loop(  # A bound on the iterations: XLA's lists need it.
-      lambda t, *_: t < steps, body, (tf.constant(0), outputs, inputs, *states),
+  _, outputs, inputs, last, *states = tf.while_loop(  # A bound on the iterations: XLA needs it.
+      lambda t, *_: t < steps, body,
+      (tf.constant(0), outputs, inputs, tf.zeros_like(states[0]), *states),
       maximum_iterations=steps)
-  return tf.transpose(outputs.stack(), [1, 0, 2]), last
+  return last, tf.transpose(outputs.stack(), [1, 0, 2]), states
 
 
 def _time_major(z: tf.Tensor) -> tf.Tensor:
   return tf.transpose(z, [1, 0, 2])
 
 
+def _masking(mask: Optional[tf.Tensor], zero_output_for_mask: bool) -> dict:
+  """`_loop`'s mask arguments from Keras' example-major (B, T) mask."""
+  return {"mask": None if mask is None else tf.transpose(tf.cast(mask, tf.bool)),
+          "zero_output_for_mask": zero_output_for_mask}
+
+
 def lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
-         activation: Callable, recurrent_activation: Callable) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+         activation: Callable, recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
+         zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Keras' LSTM (gates i, f, c, o): (last output, outputs (B, T, H), [h, c])."""
 
   def cell(z, states, _):
@@ -96,12 +112,13 @@ def lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, b
     return h, [h, c]
 
   probe = _time_major(_project(x, kernel, bias))
-  outputs, (h, c) = _loop(probe, [h0, c0], recurrent_kernel, cell)
-  return h, outputs, [h, c]
+  return _loop(probe, [h0, c0], recurrent_kernel, cell,
+               **_masking(mask, zero_output_for_mask))
 
 
 def simple_rnn(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias,
-               activation: Callable) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+               activation: Callable, mask: Optional[tf.Tensor] = None,
+               zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Keras' SimpleRNN h_t = act(x_t·W + b + h_{t-1}·U): (last output, outputs, [h])."""
 
   def cell(z, states, _):
@@ -109,12 +126,12 @@ def simple_rnn(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias,
     return h, [h]
 
   probe = _time_major(_project(x, kernel, bias))
-  outputs, (h,) = _loop(probe, [h0], recurrent_kernel, cell)
-  return h, outputs, [h]
+  return _loop(probe, [h0], recurrent_kernel, cell, **_masking(mask, zero_output_for_mask))
 
 
 def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation: Callable,
-        recurrent_activation: Callable) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+        recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
+        zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Keras' GRU with `reset_after=True` (its default; gates z, r, h; bias (2, 3H): input and
   recurrent): (last output, outputs, [h]).
 
@@ -138,6 +155,5 @@ def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation:
     h = z * h + (1 - z) * activation(x_h + r * r_h)
     return h, [h]
 
-  outputs, (h,) = _loop(_time_major(probe), [h0], recurrent_kernel, cell,
-                        _time_major(xz))
-  return h, outputs, [h]
+  return _loop(_time_major(probe), [h0], recurrent_kernel, cell, _time_major(xz),
+               **_masking(mask, zero_output_for_mask))

@@ -3,8 +3,8 @@
 In a graph, the loop of an LSTM, GRU or SimpleRNN layer that `recurrence.enable` reached (`fit` of
 a DP model does) is `per_example.recurrence`'s (the input projection hoisted out of the loop, the
 recurrent product proven by the "loop_matmul" rule) instead of Keras' cell loop: the same values,
-term for term. Any other configuration keeps Keras' own loop, whose weights take the exact
-fallback: a mask, `unroll`, dropout or recurrent dropout in training, a GRU with
+term for term, masks included. Any other configuration keeps Keras' own loop, whose weights take
+the exact fallback: `unroll`, dropout or recurrent dropout in training, a GRU with
 `reset_after=False`, a subclassed cell, eager execution.
 """
 
@@ -27,23 +27,28 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
                      training) -> Optional[tuple]:
   """(last output, outputs, states) of `layer` by `recurrence`, or None where Keras' loop runs."""
   cell = layer.cell
+  masks = [m for m in tf.nest.flatten(mask) if m is not None]
   if (not recurrence.enabled(layer) or not tf.inside_function() or layer.unroll
-      or any(m is not None for m in tf.nest.flatten(mask))
+      or len(masks) > 1 or (masks and masks[0].shape.rank != 2)
       or (training and (getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0)))):
     return None
   dtype = tf.as_dtype(sequences.dtype)
-  x = tf.reverse(sequences, [1]) if layer.go_backwards else sequences  # Keras reverses the time.
+  x, mask = sequences, (masks[0] if masks else None)
+  if layer.go_backwards:  # Keras reverses the time, the mask's too.
+    x, mask = tf.reverse(x, [1]), (None if mask is None else tf.reverse(mask, [1]))
+  masking = {"mask": mask, "zero_output_for_mask": bool(layer.zero_output_for_mask)}
   states = [tf.cast(s, dtype) for s in tf.nest.flatten(initial_state)]
   kernel, recurrent_kernel = _value(cell.kernel, dtype), _value(cell.recurrent_kernel, dtype)
   bias = _value(cell.bias, dtype) if cell.use_bias else None
   if type(cell) is keras.layers.LSTMCell and len(states) == 2:
     return recurrence.lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
-                           cell.recurrent_activation)
+                           cell.recurrent_activation, **masking)
   if type(cell) is keras.layers.GRUCell and cell.reset_after and len(states) == 1:
     return recurrence.gru(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
-                          cell.recurrent_activation)
+                          cell.recurrent_activation, **masking)
   if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1:
-    return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation)
+    return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
+                                 **masking)
   return None
 
 
