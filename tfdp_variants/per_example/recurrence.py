@@ -33,6 +33,16 @@ def enable(model) -> None:
   `norms_function`; a custom training loop calls it once before tracing its step. The values are
   Keras' own; without it those weights take the exact fallback (about one backward pass per
   example).
+
+  Example:
+    >>> model = tf.keras.Sequential([tf.keras.Input((5, 3)), tf.keras.layers.LSTM(4),
+    ...                              tf.keras.layers.Dense(2)])
+    >>> enable(model)
+    >>> loss = tf.keras.losses.MeanSquaredError(reduction="none")
+    >>> from tfdp_variants.per_example import engine
+    >>> grads = engine.per_example_gradients(model, loss, tf.ones((2, 5, 3)), tf.zeros((2, 2)))
+    >>> [tuple(g.shape) for g in grads][:2]
+    [(2, 3, 16), (2, 4, 16)]
   """
   for layer in model._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
     _ENABLED.add(layer)
