@@ -1,6 +1,7 @@
 """The engine's cheaper paths (issue 16) give the same results as the plain ones: conv patches from
-shifted slices, masks folded into the weights, per-example sums of a RowSum taken once, and the
-choice between a materialized and a Gram ("ghost") norm from static shapes."""
+shifted slices, masks folded into the weights, per-example sums of a RowSum taken once, the
+choice between a materialized and a Gram ("ghost") norm from static shapes, and an embedding's
+Gram matrix from the rows that share an id."""
 
 import numpy as np
 import pytest
@@ -76,3 +77,32 @@ def test_masked_row_sum_and_gather():
 def test_norm_form_from_static_shapes(t, k, o, materialized):
   outer = F.Outer(tf.zeros([2, t, k]), tf.zeros([2, t, o]), (k, o))
   assert outer._prefers_materialized() == materialized
+
+
+_IDS = {  # (M, T) = (6, 5) ids of a table of 60 rows.
+    "spread": np.random.default_rng(3).integers(0, 50, (6, 5)),
+    "all_the_same": np.zeros((6, 5), int),
+    "all_distinct": np.arange(30).reshape(6, 5),
+    "repeated_within": np.array([[1, 1, 1, 2, 2]] * 3 + [[2, 2, 3, 3, 1]] * 3),
+}
+
+
+@pytest.mark.parametrize("ids", sorted(_IDS))
+@pytest.mark.parametrize("mode", ["eager", "graph", "chunked", "xla"])
+def test_gather_gram_equals_dense_reference(ids, mode, monkeypatch):
+  """⟨g_m, g_n⟩ of an embedding's per-example gradients, against materialized ones in NumPy."""
+  ids = _IDS[ids]
+  d = np.random.default_rng(4).normal(size=(6, 5, 3))
+  keep = np.array([True, False, True, True, False, True])
+  if mode == "chunked":  # Several chunks of pairs.
+    monkeypatch.setattr(F, "_GRAM_PAIRS_PER_CHUNK", 7)
+  g = np.zeros((6, 60, 3))
+  for m in range(6):
+    np.add.at(g[m], ids[m], d[m] * keep[m])
+  want = np.einsum("mvo,nvo->mn", g, g)
+  gather = F.Gather(tf.constant(ids, tf.int32), tf.constant(d, tf.float64), (60, 3),
+                    tf.constant(keep))
+  run = {"eager": gather.gram, "graph": tf.function(gather.gram),
+         "chunked": tf.function(gather.gram),
+         "xla": tf.function(gather.gram, jit_compile=True)}[mode]
+  np.testing.assert_allclose(run().numpy(), want, rtol=1e-12, atol=1e-12)

@@ -214,6 +214,49 @@ def row_sum(d: tf.Tensor, shape: tuple[int, ...]) -> RowSum:
   return RowSum(tf.reduce_sum(d, axis=1), shape)
 
 
+# Pairs of (example, id) rows whose dot products `_gram_by_shared_ids` takes at a time (each pair
+# gathers two rows of O elements): bounds its memory when many examples share ids.
+_GRAM_PAIRS_PER_CHUNK = 1 << 18
+
+
+def _gram_by_shared_ids(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
+  """(M, M) Σ_{t,s: ids[m,t] = ids[n,s]} ⟨d[m,t], d[n,s]⟩ from the pairs that share an id only.
+
+  The rows are first summed per (id, example), K ≤ M·T of them, sorted by id; then each row is
+  paired with every row of its id (Σ_v c_v² pairs, c_v the examples holding id v: about M·T for
+  spread-out ids, M²·T at worst), whose dot products are added into (m, n), a chunk of pairs at a
+  time.
+  """
+  m = tf.shape(ids)[0]
+  width = d.shape[-1]
+  examples = tf.broadcast_to(tf.range(m, dtype=tf.int64)[:, None], tf.shape(ids))
+  keys = tf.reshape(tf.cast(ids, tf.int64) * tf.cast(m, tf.int64) + examples, [-1])
+  keys, slot = tf.unique(keys)
+  rows = tf.math.unsorted_segment_sum(tf.reshape(d, [-1, width]), slot, tf.size(keys))
+  order = tf.argsort(keys)
+  keys, rows = tf.gather(keys, order), tf.gather(rows, order)
+  table_row, example = keys // tf.cast(m, tf.int64), tf.cast(keys % tf.cast(m, tf.int64), tf.int32)
+  first = tf.concat([[True], table_row[1:] != table_row[:-1]], 0)
+  run = tf.cumsum(tf.cast(first, tf.int32)) - 1
+  starts = tf.cast(tf.reshape(tf.where(first), [-1]), tf.int32)
+  lengths = tf.math.bincount(run, dtype=tf.int32)
+  length, start = tf.gather(lengths, run), tf.gather(starts, run)  # Each row's run.
+  pairs = tf.reduce_sum(length)
+  ends = tf.cumsum(length)  # Pairs of rows 0..k end at ends[k].
+
+  def chunk(begin, total):
+    index = tf.range(begin, tf.minimum(begin + _GRAM_PAIRS_PER_CHUNK, pairs))
+    k = tf.searchsorted(ends, index, side="right")  # The row each pair index belongs to.
+    partner = tf.gather(start, k) + index - (tf.gather(ends, k) - tf.gather(length, k))
+    dots = tf.reduce_sum(tf.gather(rows, k) * tf.gather(rows, partner), axis=1)
+    cell = tf.gather(example, k) * m + tf.gather(example, partner)
+    return begin + _GRAM_PAIRS_PER_CHUNK, total + tf.math.unsorted_segment_sum(dots, cell, m * m)
+
+  _, total = tf.while_loop(lambda begin, _: begin < pairs, chunk,
+                           (tf.constant(0), tf.zeros(tf.reshape(m * m, [1]), d.dtype)))
+  return tf.reshape(total, [m, m])
+
+
 @dataclasses.dataclass
 class Gather:
   """g_m = Σ_t onehot(I[m,t]) ⊗ D[m,t]; I: (M, T) row ids, D: (M, T, O), table (V, ...) of O
@@ -248,10 +291,14 @@ class Gather:
         tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0]), self.shape)
 
   def gram(self) -> tf.Tensor:
-    same_row = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
-                       self.d.dtype)
+    """⟨g_m, g_n⟩ = Σ over table rows v of ⟨G_mv, G_nv⟩, G_mv the sum of m's rows with id v."""
     d = self._rows_d()
-    return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", d, d), axis=[2, 3])
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+      # XLA compiles no dynamic shapes: every pair of rows, O(M²T²O).
+      same_row = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
+                         d.dtype)
+      return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", d, d), axis=[2, 3])
+    return _gram_by_shared_ids(self.ids, d)
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
     return tf.einsum("mto,mto->m", tf.gather(tf.reshape(x, [self.shape[0], -1]), self.ids),
