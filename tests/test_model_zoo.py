@@ -143,6 +143,13 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "lstm_into_simple_rnn": (lambda: _seq((4, 3), L.LSTM(3, return_sequences=True),
                                           L.SimpleRNN(2, go_backwards=True), L.Dense(2)),
                              _floats(B, 4, 3), RNN * 2 + DENSE),
+    "lstm_no_bias_relu": (lambda: _seq((4, 3), L.LSTM(3, use_bias=False, activation="relu"),
+                                       L.Dense(2)), _floats(B, 4, 3),
+                          ["outer", "outer", *DENSE]),
+    # GRU's reset gate before the recurrent product: Keras' loop, the cell's weights on the
+    # fallback.
+    "gru_reset_before": (lambda: _seq((4, 3), L.GRU(3, reset_after=False), L.Dense(2)),
+                         _floats(B, 4, 3), ["fallback"] * 3 + DENSE),
     # Masked steps keep the states: ids 0 are masked, in the middle and at the end.
     "lstm_masked": (lambda: _seq((6,), L.Embedding(5, 3, mask_zero=True), L.LSTM(3), L.Dense(2),
                                  dtype="int32"),
