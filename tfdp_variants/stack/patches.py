@@ -32,7 +32,9 @@ def install() -> None:
   """Applies every patch (once: a second call changes nothing)."""
   _patch(keras.Model, "compute_loss", model_loss.compute_loss)
   _patch(keras.Model, "fit", fit.fit)
-  _patch(keras.Model, "compile", fit.compile)
+  # On the class that defines it: Keras 3 skips compile when loading a model whose class's
+  # compile differs from `Trainer.compile` ("custom").
+  _patch(next(k for k in keras.Model.__mro__ if "compile" in vars(k)), "compile", fit.compile)
   eager_mixing.install(_patch)
   losses.install(_patch)
   chosen.install(_patch)
