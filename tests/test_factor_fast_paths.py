@@ -1,5 +1,5 @@
 """The engine's cheaper paths (issue 16) give the same results as the plain ones: conv patches from
-shifted slices, masks folded into the weights, per-example sums of a RowSum taken once, the
+shifted slices, an `Outer` whose patches come by kernel offset, masks folded into the weights, per-example sums of a RowSum taken once, the
 choice between a materialized and a Gram ("ghost") norm from static shapes, and an embedding's
 Gram matrix from the rows that share an id."""
 
@@ -7,17 +7,20 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
-from tfdp_variants.per_example import rules
 
 
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
-@pytest.mark.parametrize("kernel,dilation", [((3, 3), (1, 1)), ((2, 3), (2, 1)), ((5, 2), (1, 2))])
-def test_patches_equal_extract_patches(kernel, dilation, padding):
+@pytest.mark.parametrize("kernel,stride,dilation", [
+    ((3, 3), (1, 1), (1, 1)), ((2, 3), (1, 1), (2, 1)), ((5, 2), (1, 1), (1, 2)),
+    ((3, 3), (2, 2), (1, 1)), ((2, 3), (3, 2), (1, 1)), ((4, 4), (2, 2), (1, 1)),
+    ((3, 2), (2, 3), (2, 1)), ((1, 1), (2, 2), (1, 1))])
+def test_patches_equal_extract_patches(kernel, stride, dilation, padding):
   x = tf.constant(np.random.default_rng(0).normal(size=(2, 7, 6, 3)), tf.float32)
-  want = tf.image.extract_patches(x, [1, *kernel, 1], [1, 1, 1, 1], [1, *dilation, 1], padding)
-  got = rules._patches(x, kernel, [1, 1, 1, 1], [1, *dilation, 1], padding)
-  np.testing.assert_array_equal(got.numpy(), want.numpy())
+  want = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1], [1, *dilation, 1], padding)
+  got = conv_rules._patches(x, list(kernel), list(stride), list(dilation), padding)
+  np.testing.assert_array_equal(got.numpy(), tf.reshape(want, got.shape).numpy())
 
 
 def _reference(a, d, keep, w):
@@ -28,14 +31,18 @@ def _reference(a, d, keep, w):
 
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("materialized", [False, True])
-def test_masked_outer_zeroes_non_finite_rows(t, materialized, monkeypatch):
+@pytest.mark.parametrize("by_blocks", [False, True])
+def test_masked_outer_zeroes_non_finite_rows(t, materialized, by_blocks, monkeypatch):
   monkeypatch.setattr(F.Outer, "_prefers_materialized", lambda self: materialized)
   rng = np.random.default_rng(1)
   a, d = rng.normal(size=(4, t, 3)), rng.normal(size=(4, t, 2))
   a[1, 0, 0], d[2, -1, 1] = np.inf, np.nan  # Examples 1 and 2 are not finite.
   keep = np.array([True, False, False, True])
   w = np.array([0.5, 1.0, 1.0, 2.0])
-  outer = F.Outer(tf.constant(a, tf.float32), tf.constant(d, tf.float32), (3, 2))
+  a_t, d_t = tf.constant(a, tf.float32), tf.constant(d, tf.float32)
+  # By blocks: A's columns as a conv's kernel offsets give them (blocks of 2 and 1 columns).
+  outer = (F.Outer.of_blocks([a_t[:, :, :2], a_t[:, :, 2:]], d_t, (3, 2)) if by_blocks
+           else F.Outer(a_t, d_t, (3, 2)))
   outer.squared_norms()  # Caches the materialized form where it is preferred.
   masked = outer.masked(tf.constant(keep))
   norms, total, g = _reference(a, d, keep, w)

@@ -56,9 +56,16 @@ def _sum_sq(x: tf.Tensor) -> tf.Tensor:
 def _row_scaled(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
   """(x / s, s²) with s the largest |entry| of each row (axis 0), s² in float64: products of the
   scaled rows cannot overflow, and s² restores their scale in float64."""
-  s = tf.reduce_max(tf.abs(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
-  shape = tf.concat([tf.shape(s), tf.ones([tf.rank(x) - 1], tf.int32)], 0)
-  return tf.math.divide_no_nan(x, tf.reshape(s, shape)), tf.square(tf.cast(s, tf.float64))
+  (scaled,), square = _rows_scaled([x])
+  return scaled, square
+
+
+def _rows_scaled(xs: list[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
+  """`_row_scaled` of the tensors `xs` taken together (s: the largest |entry| of each row in any)."""
+  s = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
+                              for x in xs]), axis=0)
+  return ([tf.math.divide_no_nan(x, tf.reshape(s, [-1] + [1] * (x.shape.rank - 1))) for x in xs],
+          tf.square(tf.cast(s, tf.float64)))
 
 
 def _ghost(gram_a: tf.Tensor, scale_a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
@@ -102,15 +109,23 @@ def _matmul_rows(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
 @dataclasses.dataclass
 class Outer:
   """g_m = reshape(Σ_t A[m,t]ᵀ D[m,t], shape); A: (M, T, K), D: (M, T, O); rows m not in `keep`
-  (when set) are zero."""
+  (when set) are zero. `blocks`, when set, are A's columns in blocks (A = their concatenation on
+  the last axis: a conv's patches, one block per kernel offset): products are then formed block by
+  block, and A itself is built only where a form needs it (a graph runs no op nobody reads)."""
 
   a: tf.Tensor
   d: tf.Tensor
   shape: tuple[int, ...]
   _materialized: Optional[tf.Tensor] = None
   keep: Optional[tf.Tensor] = None
+  blocks: Optional[tuple[tf.Tensor, ...]] = None
 
   rule = "outer"
+
+  @classmethod
+  def of_blocks(cls, blocks: list[tf.Tensor], d: tf.Tensor, shape: tuple[int, ...]) -> "Outer":
+    """The `Outer` of A = concat(blocks, -1), each block (M, T, K_b)."""
+    return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks))
 
   def _prefers_materialized(self) -> bool:
     t, k, o = self.a.shape[1], self.a.shape[2], self.d.shape[2]
@@ -124,10 +139,17 @@ class Outer:
   def _rows_d(self) -> tf.Tensor:
     return _rows(self.d, self.keep)
 
+  def _product(self, start=0, stop=None) -> tf.Tensor:
+    """(stop - start, K, O) Σ_t A[m,t]ᵀ D[m,t] for microbatches start..stop (rows not kept included)."""
+    d = self.d[start:stop]
+    if self.blocks is None:
+      return tf.matmul(self.a[start:stop], d, transpose_a=True)
+    return tf.concat([tf.matmul(b[start:stop], d, transpose_a=True) for b in self.blocks], 1)
+
   def _full(self) -> tf.Tensor:
     # Cached per graph: a value computed inside a tf.cond branch cannot be used outside it.
     if self._cached() is None:
-      self._materialized = _rows(tf.matmul(self.a, self.d, transpose_a=True), self.keep)
+      self._materialized = _rows(self._product(), self.keep)
     return self._materialized
 
   def _cached(self) -> Optional[tf.Tensor]:
@@ -141,21 +163,26 @@ class Outer:
       return _nan_to_inf(_sum_sq(self._rows_a()) * _sum_sq(self._rows_d()))
     if self._prefers_materialized():
       return _sum_sq(self._full())
-    # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s).
-    scaled, scale_a = _row_scaled(self._rows_a())
-    return _ghost(tf.matmul(scaled, scaled, transpose_b=True), scale_a, self._rows_d())
+    # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s), a_t·a_s summed over blocks.
+    scaled, scale_a = _rows_scaled([_rows(b, self.keep) for b in self.blocks or [self.a]])
+    gram_a = tf.add_n([tf.matmul(b, b, transpose_b=True) for b in scaled])
+    return _ghost(gram_a, scale_a, self._rows_d())
 
   def masked(self, keep: tf.Tensor) -> "Outer":
     full = self._cached()  # Materialized for the norms: the weighted sum reuses it.
     if self.keep is not None:
       keep = tf.logical_and(keep, self.keep)
-    return Outer(self.a, self.d, self.shape, None if full is None else _rows(full, keep), keep)
+    return Outer(self.a, self.d, self.shape, None if full is None else _rows(full, keep), keep,
+                 self.blocks)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     if self._cached() is not None:
       return tf.reshape(tf.tensordot(_weights(w, self._materialized), self._materialized, 1),
                         self.shape)
-    return tf.reshape(_matmul_rows(self._rows_a(), _weighted_rows(self.d, w, self.keep)),
+    d = _weighted_rows(self.d, w, self.keep)
+    if self.blocks is None:
+      return tf.reshape(_matmul_rows(self._rows_a(), d), self.shape)
+    return tf.reshape(tf.concat([_matmul_rows(_rows(b, self.keep), d) for b in self.blocks], 0),
                       self.shape)
 
   def gram(self) -> tf.Tensor:
@@ -175,8 +202,7 @@ class Outer:
     if self._cached() is not None:
       g = self._materialized[start:stop]
     else:
-      keep = None if self.keep is None else self.keep[start:stop]
-      g = _rows(tf.matmul(self.a[start:stop], self.d[start:stop], transpose_a=True), keep)
+      g = _rows(self._product(start, stop), None if self.keep is None else self.keep[start:stop])
     return tf.reshape(g, (-1, *self.shape))
 
 

@@ -114,30 +114,6 @@ def _match_conv(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   return "conv"
 
 
-def _patches(x: tf.Tensor, size: tuple[int, int], strides: list[int], dilations: list[int],
-             padding: str) -> tf.Tensor:
-  """`tf.image.extract_patches` of NHWC `x` (features ordered kernel row, column, channel).
-
-  With unit strides and static spatial sizes, the patches are kh·kw shifted slices stacked, which
-  CPUs copy 2-3× faster than ExtractImagePatches (bench/results/2026-11-23_overhead_cpu.md).
-  """
-  (kh, kw), (h, w) = size, x.shape[1:3]
-  if any(s != 1 for s in strides) or h is None or w is None:
-    return tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, padding)
-  dh, dw = dilations[1:3]
-  span_h, span_w = dh * (kh - 1), dw * (kw - 1)
-  if padding == "SAME":  # Output size = input size; the extra row or column goes last.
-    x = tf.pad(x, [[0, 0], [span_h // 2, span_h - span_h // 2],
-                   [span_w // 2, span_w - span_w // 2], [0, 0]])
-    h, w = h + span_h, w + span_w
-  out_h, out_w = h - span_h, w - span_w
-  if out_h <= 0 or out_w <= 0:
-    return tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, "VALID")
-  shifted = [x[:, i * dh:i * dh + out_h, j * dw:j * dw + out_w, :]
-             for i in range(kh) for j in range(kw)]
-  return tf.reshape(tf.stack(shifted, axis=3), [-1, out_h, out_w, kh * kw * x.shape[3]])
-
-
 def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """Conv2D: g = Σ_p patch_pᵀ dz_p over output positions p (Opacus' unfold rule).
 
@@ -161,15 +137,23 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   if padding == "EXPLICIT":
     x = tf.pad(x, [[pads[2 * i], pads[2 * i + 1]] for i in range(4)])
     padding = "VALID"
-  patches = _patches(tf.cast(x, dtype), (kh, kw), strides, dilations, padding)
+  x, grad = tf.cast(x, dtype), _rows(grad, m, cout, dtype)
+  if x.shape[1:3].is_fully_defined():  # The patches by kernel offset (`F.Outer.of_blocks`).
+    windows = (strides[1:3], dilations[1:3], padding)
+    blocks = [_rows(s, m, groups * cin, dtype)
+              for s in conv_rules.shifted(x, [kh, kw], *windows)]
+    outer = lambda g, d, shape: F.Outer.of_blocks(
+        [b[:, :, g * cin:(g + 1) * cin] if groups > 1 else b for b in blocks], d, shape)
+  else:
+    patches = _rows(tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, padding), m,
+                    kh * kw * groups * cin, dtype)
+    patches = tf.reshape(patches, [m, -1, kh * kw, groups, cin])
+    outer = lambda g, d, shape: F.Outer(
+        tf.reshape(patches[:, :, :, g], [m, -1, kh * kw * cin]), d, shape)
   if groups == 1:
-    return F.Outer(_rows(patches, m, kh * kw * cin, dtype), _rows(grad, m, cout, dtype),
-                   tuple(var.shape))
-  patches = _rows(patches, m, kh * kw * groups * cin, dtype)
-  patches = tf.reshape(patches, [m, -1, kh * kw, groups, cin])
-  grad = tf.reshape(_rows(grad, m, cout, dtype), [m, -1, groups, cout // groups])
-  parts = [F.Outer(tf.reshape(patches[:, :, :, g], [m, -1, kh * kw * cin]), grad[:, :, g],
-                   (kh * kw * cin, cout // groups)) for g in range(groups)]
+    return outer(0, grad, tuple(var.shape))
+  grad = tf.reshape(grad, [m, -1, groups, cout // groups])
+  parts = [outer(g, grad[:, :, g], (kh * kw * cin, cout // groups)) for g in range(groups)]
   return F.Columns(parts, tuple(var.shape))
 
 
