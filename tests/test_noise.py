@@ -33,6 +33,18 @@ def test_normal_draws_are_standard_normal():
   assert abs(np.corrcoef(cos**2, sin**2)[0, 1]) < 5 / np.sqrt(n / 2)
 
 
+def test_radius_log_is_exact_on_every_uniform():
+  """TF's float32 uniforms are k·2⁻²³, k < 2²³: 1 - u is exact, and log(1 - u), which the radius
+  takes (at half log1p's cost), is within float32 rounding of log1p(-u) on all 2²³ of them."""
+  k = np.arange(2**23, dtype=np.float64)
+  u = tf.constant(k * 2.0**-23, tf.float32)
+  exact = np.log1p(-k * 2.0**-23)
+  got = tf.math.log(1.0 - u).numpy().astype(np.float64)
+  np.testing.assert_allclose(got, exact, rtol=1e-6, atol=0)
+  uniform = noise.NoiseSource(seed=0).generator.uniform([4096]).numpy().astype(np.float64)
+  np.testing.assert_array_equal(uniform * 2**23, np.round(uniform * 2**23))  # On the grid.
+
+
 @pytest.mark.parametrize("shape", [[], [0], [7], [3, 5], [2, 3, 4]])
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
 def test_normal_draws_have_the_shape_and_dtype_asked(shape, dtype):
