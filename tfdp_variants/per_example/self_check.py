@@ -240,7 +240,10 @@ def _exact(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: list[tf.Te
   microbatches' rows, on its own rows, and whether the input has the batch's rows."""
   exact, leaks, owns, valids = [], [], [], []
   for i in (tf.constant(0), m - 1):
-    grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked] + data)
+    # One backward pass at a time (the second waits for the first's results): the check's peak
+    # memory is one backward pass beside the step's, not two.
+    with tf.control_dependencies([t for e in exact for t in e] + leaks):
+      grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked] + data)
     exact.append([tf.zeros(grads.variables[k].shape, grads.variables[k].dtype) if g is None else
                   tf.reshape(tf.convert_to_tensor(g), grads.variables[k].shape)
                   for k, g in zip(checked, grads_i)])
