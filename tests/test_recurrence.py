@@ -147,3 +147,35 @@ def test_compiled_dp_model_trains_lstm_on_rules(jit_compile):
   assert list(optimizer.per_example_rules) == ["gather", "outer", "outer", "rowsum", "outer",
                                                "rowsum"]
   assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+@pytest.mark.parametrize("kernel_from_x", [False, True])
+def test_backward_loop_skips_only_gradients_no_x_needs(kernel_from_x):
+  """The engine's backward pass tells a loop which captured inputs no x depends on
+  (`skip_input_indices`): the gradients of the xs are tf.gradients' own, also when the recurrent
+  kernel is computed from an x (then it is not skipped), and no loop keeps the mark."""
+  from tfdp_variants.per_example import engine
+  from tfdp_variants.per_example import trace
+
+  @tf.function
+  def grads():
+    v = tf.constant(np.random.default_rng(0).normal(size=(3, 3)) / 3, tf.float32)
+    kernel = 2.0 * v
+    probe = tf.constant(np.random.default_rng(1).normal(size=(4, 2, 3)), tf.float32)
+    rows = tf.TensorArray(tf.float32, 4).unstack(probe)
+
+    def body(t, h):
+      return t + 1, tf.tanh(tf.matmul(h, kernel) + rows.read(t))
+
+    _, h = tf.while_loop(lambda t, h: t < 4, body, (0, tf.ones([2, 3])))
+    loss = tf.reduce_sum(tf.square(h))
+    xs = [probe, v] if kernel_from_x else [probe]
+    loops = [op for op in loss.graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    got = engine._gradients(loss, xs, set(trace.ancestors(loss)))
+    assert loops and not any(hasattr(op, "skip_input_indices") for op in loops)
+    return got, tf.gradients(loss, xs)
+
+  got, want = grads()
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)

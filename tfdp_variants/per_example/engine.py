@@ -111,6 +111,37 @@ def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Opti
   return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m).finite_only()
 
 
+_LOOPS = ("While", "StatelessWhile")
+
+
+def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set) -> list[Optional[tf.Tensor]]:
+  """`tf.gradients(y, xs)`, each loop of the `forward` ops told which of its inputs lie downstream
+  of no x, as a GradientTape tells it (while_v2 reads `skip_input_indices`; graph-mode
+  `tf.gradients` never sets it): the backward loop then accumulates no gradient for a captured
+  input that no x depends on. A looped RNN's recurrent kernel is one: its rule reads the gradient
+  of the probe the loop adds its product to, so the kernel's own gradient, a product per step,
+  is never needed. Only gradients that cannot reach any x are skipped, so the xs' are unchanged.
+  """
+  loops = [op for op in forward if op.type in _LOOPS]
+  if not loops:
+    return tf.gradients(y, xs)
+  reached, frontier = set(), [c for x in xs for c in x.consumers() if c in forward]
+  while frontier:
+    op = frontier.pop()
+    if op not in reached:
+      reached.add(op)
+      frontier.extend(c for t in op.outputs for c in t.consumers() if c in forward)
+  names = {x.name for x in xs}
+  try:
+    for op in loops:
+      op.skip_input_indices = [i for i, t in enumerate(op.inputs)
+                               if t.op not in reached and t.name not in names]
+    return tf.gradients(y, xs)
+  finally:
+    for op in loops:
+      del op.skip_input_indices
+
+
 def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F.Factor:
   """One variable's factor: unread (zero), the fallback, or its uses' rules."""
   if handle is None:
@@ -157,7 +188,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
   grads = dict(zip((u.output.name for u in fast),
-                   tf.gradients(tf.reduce_sum(mb_losses), [u.output for u in fast])))
+                   _gradients(tf.reduce_sum(mb_losses), [u.output for u in fast], forward)))
   slow = [v for v, h, vu in zip(variables, handles, uses) if h is not None and vu is None]
   slow_factors = iter(_fallback(mb_losses, m, graph, slow) if slow else [])
   unread = iter(_unread(graph, m, [v for v, h in zip(variables, handles) if h is None]))
