@@ -153,10 +153,15 @@ class Outer:
     return self._materialized
 
   def _cached(self) -> Optional[tf.Tensor]:
+    """The materialized form, if this graph or one enclosing it (whose tensors it can capture)
+    made it: one made in a `tf.cond` branch or loop body cannot be read outside."""
     m = self._materialized
-    if m is None or (hasattr(m, "graph") and m.graph is not tf.compat.v1.get_default_graph()):
-      return None
-    return m
+    if m is None or not hasattr(m, "graph"):
+      return m
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and graph is not m.graph:
+      graph = getattr(graph, "outer_graph", None)
+    return None if graph is None else m
 
   def squared_norms(self) -> tf.Tensor:
     if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²

@@ -265,7 +265,9 @@ def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[O
   m = tf.cast(grads.num_microbatches, tf.int32)
   checked = [k for k, s in enumerate(sources) if s is not None]
   factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
-  squared_norms = {k: factors[k].squared_norms() for k in checked}
+  # The norms the step clips with, made outside the check (not made again here: a materialized
+  # form would be, at the size of every per-example gradient).
+  squared_norms = {k: grads.squared_norms()[k] for k in checked}
   exact, leaks, owns, valids = _exact(grads, mb_losses, sources, checked, data, m, batch)
   q0, q1 = [tf.stack([_sq(g) for g in e] or [0.0]) for e in exact]  # Exact squared norms.
   finite = tf.reduce_all(tf.math.is_finite(tf.concat([q0, q1, tf.stack(leaks + owns or [0.0])], 0)))
