@@ -113,3 +113,22 @@ def test_gather_gram_equals_dense_reference(ids, mode, monkeypatch):
          "chunked": tf.function(gather.gram),
          "xla": tf.function(gather.gram, jit_compile=True)}[mode]
   np.testing.assert_allclose(run().numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_batch_axis_through_new_axes_and_computed_tile_multiples():
+  """The batch-axis analysis follows slices that add axes (`x[:, None]`, Keras 2's attention mask)
+  and Tiles whose multiple on the batch axis is 1 while another is computed (`keras.ops.repeat`);
+  a slice or tile that cuts or repeats the examples stays unknown."""
+  from tfdp_variants.per_example import trace
+
+  results = []
+
+  def axes(x, n):
+    cases = [x[:, None], x[None], x[None, :, 0], x[:, :, None, 1], x[None, None], x[:, 1],
+             x[0], x[1:], x[::2], x[..., None],
+             tf.tile(x, tf.stack([1, n, 1])), tf.tile(x, tf.stack([n, 1, 1]))]
+    results.append([trace.batch_axis(t) for t in cases])
+    return x
+
+  tf.function(axes).get_concrete_function(tf.TensorSpec([4, 3, 2]), tf.TensorSpec([], tf.int32))
+  assert results == [[0, 1, 1, 0, 2, 0, None, None, None, None, 0, None]]

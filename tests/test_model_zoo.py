@@ -66,6 +66,13 @@ def _transformer_block():
   return tf.keras.Model(x, L.Dense(2)(L.GlobalAveragePooling1D()(h)))
 
 
+def _two_inputs(layer, **kwargs):
+  """`layer` over (B, 3, 4) as query and value (and key), pooled, then a Dense head."""
+  x = L.Input((3, 4))
+  h = layer(x, x, **kwargs) if kwargs or hasattr(layer, "num_query_heads") else layer([x, x])
+  return tf.keras.Model(x, L.Dense(2)(L.GlobalAveragePooling1D()(h)))
+
+
 def _attention(heads, mask=None):
   """MultiHeadAttention(heads, key_dim 2) over (B, 3, 4) with biases, pooled, then a Dense head.
 
@@ -278,14 +285,28 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "attention_4_heads": (lambda: _attention(4), _floats(B, 3, 4), DENSE * 5),
     "attention_causal": (lambda: _attention(4, "causal"), _floats(B, 3, 4), DENSE * 5),
     "attention_data_mask": (lambda: _attention(2, "data"), _floats(B, 3, 4), DENSE * 5),
-    # Keras 2 builds the mask with `mask[:, :, None]` (a StridedSlice with new_axis_mask), which
-    # the batch-axis analysis does not follow yet: there the layers after the softmax fall back.
+    # Keras 2 builds the mask with `mask[:, :, None]`, a StridedSlice with a new axis.
     "attention_padding_mask": (_padding_mask_attention, _ints(B, 5, high=4),
-                               per_stack(keras3=["gather", *DENSE * 5], keras2=None)),
+                               ["gather", *DENSE * 5]),
+    "additive_attention": (lambda: _two_inputs(L.AdditiveAttention()), _floats(B, 3, 4),
+                           ["rowsum", *DENSE]),
+    "scaled_dot_attention": (lambda: _two_inputs(L.Attention(use_scale=True)), _floats(B, 3, 4),
+                             ["rowsum", *DENSE]),
+    "instance_norm": (lambda: _seq((5, 5, 3), L.Conv2D(4, 3), L.GroupNormalization(groups=-1),
+                                   L.Flatten(), L.Dense(2)), _floats(B, 5, 5, 3),
+                      ["outer", "rowsum", *NORM, *DENSE]),
 }
 if hasattr(L, "RMSNormalization"):  # Keras 3 only.
   ZOO["rms_norm"] = (lambda: _seq((5, 4), L.RMSNormalization(), L.Flatten(), L.Dense(2)),
                      _floats(B, 5, 4), ["rowsum", *DENSE])
+if hasattr(L, "GroupQueryAttention"):  # Keras 3 only; its key and value heads are repeated (Tile).
+  ZOO["group_query_attention"] = (
+      lambda: _two_inputs(L.GroupQueryAttention(2, 4, 2), use_causal_mask=True),
+      _floats(B, 3, 4), DENSE * 5)
+if hasattr(L, "DepthwiseConv1D"):
+  ZOO["depthwise_conv1d"] = (
+      lambda: _seq((7, 3), L.DepthwiseConv1D(3, depth_multiplier=2), L.Flatten(), L.Dense(2)),
+      _floats(B, 7, 3), ["grouped", "rowsum", *DENSE])
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",

@@ -360,15 +360,22 @@ def _split(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
-  """Whole along the batch axis (stride 1, not shrunk); shrunk axes before it shift it."""
+  """Whole along the batch axis (stride 1, not shrunk). Walking the slice's entries: a new axis
+  (`x[:, None]`, Keras 2's attention mask) adds an output axis, a shrunk one removes an input axis."""
   b, strides = ins[0].axis, constant_value(op.inputs[3])
   bit = lambda name, i: op.get_attr(name) >> i & 1
-  if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask") or strides is None:
+  if op.get_attr("ellipsis_mask") or strides is None:
     return None
-  if b < len(strides) and (not (bit("begin_mask", b) and bit("end_mask", b))
-                           or bit("shrink_axis_mask", b) or strides[b] != 1):
-    return None
-  return Batch(b - sum(bit("shrink_axis_mask", i) for i in range(min(b, len(strides)))))
+  a = o = 0  # The input and output axes the next entry meets.
+  for i, stride in enumerate(strides):
+    if bit("new_axis_mask", i):
+      o += 1
+    elif a == b:
+      whole = bit("begin_mask", i) and bit("end_mask", i) and stride == 1
+      return Batch(o) if whole and not bit("shrink_axis_mask", i) else None
+    else:
+      a, o = a + 1, o + (0 if bit("shrink_axis_mask", i) else 1)
+  return Batch(o + b - a)
 
 
 def _slice(op: tf.Operation, ins: list[Info]) -> Info:
@@ -392,8 +399,12 @@ def _reverse(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _tile(op: tf.Operation, ins: list[Info]) -> Info:
-  multiples = constant_value(op.inputs[1])
-  return ins[0] if multiples is not None and multiples[ins[0].axis] == 1 else None
+  """Tile keeps the batch axis where its multiple there is 1; the other multiples need not be
+  static (`keras.ops.repeat`, which GroupQueryAttention's heads take, packs a computed one)."""
+  multiples = tf.get_static_value(op.inputs[1], partial=True)
+  if multiples is None or ins[1].axis is not None:
+    return None
+  return ins[0] if multiples[ins[0].axis] == 1 else None
 
 
 def _gather(op: tf.Operation, ins: list[Info]) -> Info:
