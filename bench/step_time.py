@@ -21,8 +21,9 @@ them with the same interpreter and prints one markdown table per model: the stea
 ms/step, its ratio to the non-private step and to TF Privacy's fastest row of the same model, the
 first step's time (tracing, and the engine's self-check, which runs on the first step after each
 trace), the stack, and in the note the per-example rules the variables took (a count per rule).
-TF Privacy's rows (its DPKerasAdamOptimizer, the vectorized one, and DPSequential with the fast
-gradient clipping layer registry, its best path) run only where
+TF Privacy's rows (its DPKerasAdamOptimizer, the vectorized one, DPSequential with the fast
+gradient clipping layer registry, and DPModel on the functional model with every registry function
+it ships for built-in layers; the fastest of them is its best path) run only where
 tensorflow_privacy is installed (the TF 2.15 leg). The CNN's rows show the targets of issues 2, 3
 and 7.
 
@@ -198,6 +199,40 @@ def _tfp_dp_sequential(layers: list, b: int) -> tf.keras.Model:
       l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=None,
       layer_registry=layer_registry.make_default_layer_registry(), layers=layers)
   return _compiled(model, tf.keras.optimizers.Adam(1e-3), "sum_over_batch_size")
+
+
+def _functional(layers: list):
+  """(inputs, outputs) of `layers` applied in turn, each encoder block as its built-in layers'
+  calls (so that a layer registry sees MultiHeadAttention, LayerNormalization and Dense)."""
+  inputs = x = layers[0]
+  for layer in layers[1:]:
+    if isinstance(layer, _EncoderBlock):
+      h = layer.norm1(L.Add()([x, layer.attention(x, x)]))
+      x = layer.norm2(L.Add()([h, layer.ffn2(layer.ffn1(h))]))
+    else:
+      x = layer(x)
+  return inputs, x
+
+
+def _tfp_dp_model_full_registry(layers: list, b: int) -> tf.keras.Model:
+  """TF Privacy's DPModel on the functional model, its registry holding every registry function
+  TF Privacy 0.9.0 ships for built-in layers (Dense, Embedding, EinsumDense, LayerNormalization,
+  MultiHeadAttention): its fast path on the Transformer, which DPSequential cannot take with the
+  bench's encoder-block layer."""
+  del b
+  from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+  from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import (
+      einsum_dense, layer_normalization, multi_head_attention)
+  from tensorflow_privacy.privacy.keras_models import dp_keras_model
+  registry = layer_registry.make_default_layer_registry()
+  registry.insert(L.EinsumDense, einsum_dense.einsum_layer_computation)
+  registry.insert(L.LayerNormalization, layer_normalization.layer_normalization_computation)
+  registry.insert(L.MultiHeadAttention,
+                  multi_head_attention.multi_head_attention_layer_computation)
+  inputs, outputs = _functional(layers)
+  model = dp_keras_model.DPModel(l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=None,
+                                 layer_registry=registry, inputs=inputs, outputs=outputs)
+  return _compiled(model, tf.keras.optimizers.Adam(1e-3), "sum_over_batch_size")
 # pylint: enable=g-import-not-at-top
 
 
@@ -239,6 +274,8 @@ def rows() -> list[Row]:
           tf_privacy=True, slow=True),
       Row("tfp_fast", "TF Privacy DPSequential, fast clipping registry", _tfp_dp_sequential,
           tf_privacy=True),
+      Row("tfp_fast_full", "TF Privacy DPModel, functional, registry + EinsumDense, "
+          "LayerNormalization, MultiHeadAttention", _tfp_dp_model_full_registry, tf_privacy=True),
   ]
 
 
