@@ -153,10 +153,9 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "lstm_no_bias_relu": (lambda: _seq((4, 3), L.LSTM(3, use_bias=False, activation="relu"),
                                        L.Dense(2)), _floats(B, 4, 3),
                           ["outer", "outer", *DENSE]),
-    # GRU's reset gate before the recurrent product: Keras' loop, the cell's weights on the
-    # fallback.
+    # GRU's reset gate before its candidate's recurrent product: two proven products of U a step.
     "gru_reset_before": (lambda: _seq((4, 3), L.GRU(3, reset_after=False), L.Dense(2)),
-                         _floats(B, 4, 3), ["fallback"] * 3 + DENSE),
+                         _floats(B, 4, 3), RNN + DENSE),
     # Masked steps keep the states: ids 0 are masked, in the middle and at the end.
     "lstm_masked": (lambda: _seq((6,), L.Embedding(5, 3, mask_zero=True), L.LSTM(3), L.Dense(2),
                                  dtype="int32"),
@@ -310,7 +309,7 @@ if hasattr(L, "DepthwiseConv1D"):
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
-       "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards"]
+       "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before"]
 
 
 def _build(name):

@@ -22,7 +22,7 @@ def _x():
 _MASK = tf.constant([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]) > 0
 
 
-@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "GRU_reset_before", "SimpleRNN"])
 @pytest.mark.parametrize("go_backwards", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("zero_output_for_mask", [False, True])
@@ -31,9 +31,11 @@ def test_loops_compute_keras_values(layer, go_backwards, masked, zero_output_for
   if zero_output_for_mask and not masked:
     pytest.skip("the same case as without a mask")
   tf.keras.utils.set_random_seed(0)
-  make = lambda: getattr(L, layer)(H, return_sequences=True, return_state=True,
-                                   go_backwards=go_backwards,
-                                   zero_output_for_mask=zero_output_for_mask)
+  options = {"reset_after": False} if layer == "GRU_reset_before" else {}
+  make = lambda: getattr(L, layer.split("_")[0])(H, return_sequences=True, return_state=True,
+                                                 go_backwards=go_backwards,
+                                                 zero_output_for_mask=zero_output_for_mask,
+                                                 **options)
   keras_layer, ours = make(), make()
   x = _x()
   mask = _MASK if masked else None

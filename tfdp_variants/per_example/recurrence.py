@@ -61,7 +61,8 @@ def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.T
 
 def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor, cell: Callable,
           sequence: Optional[tf.Tensor] = None, mask: Optional[tf.Tensor] = None,
-          zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+          zero_output_for_mask: bool = False, second_probe: Optional[tf.Tensor] = None
+          ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Runs `cell(r_t + probe_t, states, sequence_t) -> (h_t, states)` over the time-major (T, B, ·)
   `probe` (and `sequence`, if given), r_t = states[0]·U; returns the last output, the outputs,
   example-major (B, T, H), and the last states.
@@ -72,29 +73,45 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
   of a loop invariant would add a (T, B, K) tensor at every step. A time-major (T, B) `mask` keeps
   an example's states at its masked steps and outputs its previous output there (or zeros), as
   Keras' `backend.rnn` does.
+
+  With a `second_probe`, the cell takes a fourth argument, `again(a) = a·U + second_probe_t`, a
+  second product of U at step t (GRU with `reset_after=False`: (r ⊙ h_{t-1})·U): U enters the
+  loop a second time as its own tensor, and `a` is written to a second list, so that each product
+  has the proof of the first.
   """
   steps = probe.shape[0] if probe.shape[0] is not None else tf.shape(probe)[0]
   rows = lambda x: tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:]).unstack(x)
+  lists = lambda: tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   probe = rows(probe)
   sequence = None if sequence is None else rows(sequence)
   mask = None if mask is None else rows(mask)
-  outputs = tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
-  inputs = tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   recurrent_kernel = tf.convert_to_tensor(recurrent_kernel)
+  products = [(probe, recurrent_kernel)]
+  if second_probe is not None:
+    products.append((rows(second_probe), tf.identity(recurrent_kernel)))
 
   def body(t, outputs, inputs, previous, *states):
     h = states[0]
+    written = [h]
+
+    def again(a):
+      written.append(a)
+      return tf.matmul(a, products[1][1]) + products[1][0].read(t)
+
     z = tf.matmul(h, recurrent_kernel) + probe.read(t)
-    out, new_states = cell(z, list(states), None if sequence is None else sequence.read(t))
+    args = (z, list(states), None if sequence is None else sequence.read(t))
+    out, new_states = cell(*args, again) if second_probe is not None else cell(*args)
     if mask is not None:
       keep = tf.expand_dims(mask.read(t), 1)
       out = tf.where(keep, out, tf.zeros_like(out) if zero_output_for_mask else previous)
       new_states = [tf.where(keep, new, old) for new, old in zip(new_states, states)]
-    return (t + 1, outputs.write(t, out), inputs.write(t, h), out, *new_states)
+    inputs = tuple(rows_of.write(t, a) for rows_of, a in zip(inputs, written))
+    return (t + 1, outputs.write(t, out), inputs, out, *new_states)
 
-  _, outputs, inputs, last, *states = tf.while_loop(  # A bound on the iterations: XLA needs it.
+  _, outputs, _, last, *states = tf.while_loop(  # A bound on the iterations: XLA needs it.
       lambda t, *_: t < steps, body,
-      (tf.constant(0), outputs, inputs, tf.zeros_like(states[0]), *states),
+      (tf.constant(0), lists(), tuple(lists() for _ in products), tf.zeros_like(states[0]),
+       *states),
       maximum_iterations=steps)
   return last, tf.transpose(outputs.stack(), [1, 0, 2]), states
 
@@ -141,15 +158,36 @@ def simple_rnn(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias,
 
 def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation: Callable,
         recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
-        zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
-  """Keras' GRU with `reset_after=True` (its default; gates z, r, h; bias (2, 3H): input and
-  recurrent): (last output, outputs, [h]).
+        zero_output_for_mask: bool = False, reset_after: bool = True
+        ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' GRU (gates z, r, h): (last output, outputs, [h]).
 
-  The input part x·W + b_in is hoisted; the recurrent part h·U + b_rec stays in the loop (the reset
-  gate multiplies it), its probe b_rec broadcast over the steps: both biases are added to one
-  stacked (B, T, 2, 3H) tensor (the "broadcast" rule).
+  `reset_after=True` (the default; bias (2, 3H): input and recurrent): the input part x·W + b_in
+  is hoisted; the recurrent part h·U + b_rec stays in the loop (the reset gate multiplies it), its
+  probe b_rec broadcast over the steps: both biases are added to one stacked (B, T, 2, 3H) tensor
+  (the "broadcast" rule).
+
+  `reset_after=False` (bias (3H,)): z and r take x·W + b + h·U, the candidate x·W + b +
+  (r ⊙ h)·U, each the columns it needs of a full product of U, so that each product is proven
+  as the first (a second, recurrent flop for flop). Their probes are the two halves of one stacked
+  x·W + b, whose unused columns get zero gradients.
   """
   xw = tf.matmul(x, kernel)
+  units = h0.shape[-1]
+  if not reset_after:
+    both = tf.stack([xw, xw], axis=2)
+    if bias is not None:
+      both += bias
+
+    def cell_before(rec, states, _, again):
+      h = states[0]
+      z = recurrent_activation(rec[:, :units])
+      r = recurrent_activation(rec[:, units:2 * units])
+      h = z * h + (1 - z) * activation(again(r * h)[:, 2 * units:])
+      return h, [h]
+
+    return _loop(_time_major(both[:, :, 0]), [h0], recurrent_kernel, cell_before,
+                 second_probe=_time_major(both[:, :, 1]), **_masking(mask, zero_output_for_mask))
   # Stacked with x·W even without a bias, so that the analysis sees the probe's rows as examples'.
   both = tf.stack([xw, tf.zeros_like(xw)], axis=2)
   if bias is not None:

@@ -4,8 +4,8 @@ In a graph, the loop of an LSTM, GRU or SimpleRNN layer that `recurrence.enable`
 a DP model does) is `per_example.recurrence`'s (the input projection hoisted out of the loop, the
 recurrent product proven by the "loop_matmul" rule) instead of Keras' cell loop: the same values,
 term for term, masks included. Any other configuration keeps Keras' own loop, whose weights take
-the exact fallback: `unroll`, dropout or recurrent dropout in training, a GRU with
-`reset_after=False`, a subclassed cell, eager execution.
+the exact fallback: `unroll`, dropout or recurrent dropout in training, a subclassed cell, eager
+execution.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   if type(cell) is keras.layers.LSTMCell and len(states) == 2:
     return recurrence.lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
                            cell.recurrent_activation, **masking)
-  if type(cell) is keras.layers.GRUCell and cell.reset_after and len(states) == 1:
+  if type(cell) is keras.layers.GRUCell and len(states) == 1:
     return recurrence.gru(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
-                          cell.recurrent_activation, **masking)
+                          cell.recurrent_activation, reset_after=bool(cell.reset_after),
+                          **masking)
   if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1:
     return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
                                  **masking)
