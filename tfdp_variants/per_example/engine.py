@@ -120,9 +120,10 @@ def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set) -> list[Optional
   `tf.gradients` never sets it): the backward loop then accumulates no gradient for a captured
   input that no x depends on. A looped RNN's recurrent kernel is one: its rule reads the gradient
   of the probe the loop adds its product to, so the kernel's own gradient, a product per step,
-  is never needed. Only gradients that cannot reach any x are skipped, so the xs' are unchanged.
+  is never needed. Only gradients that cannot reach any x are skipped, so the xs' are unchanged;
+  loops of enclosing graphs, which the traversal from the xs does not enter, are left alone.
   """
-  loops = [op for op in forward if op.type in _LOOPS]
+  loops = [op for op in forward if op.type in _LOOPS and op.graph is y.graph]
   if not loops:
     return tf.gradients(y, xs)
   reached, frontier = set(), [c for x in xs for c in x.consumers() if c in forward]

@@ -86,9 +86,8 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
   sequence = None if sequence is None else rows(sequence)
   mask = None if mask is None else rows(mask)
   recurrent_kernel = tf.convert_to_tensor(recurrent_kernel)
-  products = [(probe, recurrent_kernel)]
   if second_probe is not None:
-    products.append((rows(second_probe), tf.identity(recurrent_kernel)))
+    second_probe, second_kernel = rows(second_probe), tf.identity(recurrent_kernel)
 
   def body(t, outputs, inputs, previous, *states):
     h = states[0]
@@ -96,7 +95,7 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
 
     def again(a):
       written.append(a)
-      return tf.matmul(a, products[1][1]) + products[1][0].read(t)
+      return tf.matmul(a, second_kernel) + second_probe.read(t)
 
     z = tf.matmul(h, recurrent_kernel) + probe.read(t)
     args = (z, list(states), None if sequence is None else sequence.read(t))
@@ -110,8 +109,8 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
 
   _, outputs, _, last, *states = tf.while_loop(  # A bound on the iterations: XLA needs it.
       lambda t, *_: t < steps, body,
-      (tf.constant(0), lists(), tuple(lists() for _ in products), tf.zeros_like(states[0]),
-       *states),
+      (tf.constant(0), lists(), tuple(lists() for _ in range(1 + (second_probe is not None))),
+       tf.zeros_like(states[0]), *states),
       maximum_iterations=steps)
   return last, tf.transpose(outputs.stack(), [1, 0, 2]), states
 
