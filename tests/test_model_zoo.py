@@ -124,6 +124,35 @@ class _Residual(tf.keras.Model):
     return self.head(tf.reduce_mean(h + self.block(h), axis=1))
 
 
+class _LowRank(L.Layer):
+  """x·(s·A·B)ᵀ (no frozen weight, the product transposed), or, with `twice`, x·K + tanh(x·K)·Kᵀ·…
+  of one K = W + A·B read by two products (no rule: the fallback)."""
+
+  def __init__(self, twice=False):
+    super().__init__()
+    self.twice = twice
+
+  def build(self, input_shape):
+    self.a = self.add_weight(name="a", shape=(3, 2), initializer="random_normal")
+    self.b = self.add_weight(name="b", shape=(2, input_shape[-1]), initializer="random_normal")
+
+  def call(self, x):
+    k = 0.5 * tf.matmul(self.a, self.b)  # (3, D)
+    if self.twice:
+      k = k + tf.ones_like(k)
+      return tf.matmul(tf.tanh(tf.matmul(x, k, transpose_b=True)), k)
+    return tf.matmul(x, k, transpose_b=True)
+
+
+def _lora_attention():
+  """`_attention(2)` with every Dense and EinsumDense on LoRA (`enable_lora`, Keras 3)."""
+  model = _attention(2)
+  for layer in model._flatten_layers():  # pylint: disable=protected-access
+    if hasattr(layer, "enable_lora"):
+      layer.enable_lora(2)
+  return model
+
+
 # name -> (model builder, inputs, expected rule per variable (None: any; the list None: unchecked)).
 ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] = {
     "conv2d_dense": (lambda: _seq((6, 6, 2), L.Conv2D(3, 3, activation="relu"), L.MaxPool2D(),
@@ -291,13 +320,33 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                            ["rowsum", *DENSE]),
     "scaled_dot_attention": (lambda: _two_inputs(L.Attention(use_scale=True)), _floats(B, 3, 4),
                              ["rowsum", *DENSE]),
-    "instance_norm": (lambda: _seq((5, 5, 3), L.Conv2D(4, 3), L.GroupNormalization(groups=-1),
-                                   L.Flatten(), L.Dense(2)), _floats(B, 5, 5, 3),
-                      ["outer", "rowsum", *NORM, *DENSE]),
+    # The conv has no bias: instance normalization cancels it, so its gradient would be float32
+    # rounding noise on both sides (1e-6 on some CPUs, above `atol`).
+    "instance_norm": (lambda: _seq((5, 5, 3), L.Conv2D(4, 3, use_bias=False),
+                                   L.GroupNormalization(groups=-1), L.Flatten(), L.Dense(2)),
+                      _floats(B, 5, 5, 3), ["outer", *NORM, *DENSE]),
 }
 if hasattr(L, "RMSNormalization"):  # Keras 3 only.
   ZOO["rms_norm"] = (lambda: _seq((5, 4), L.RMSNormalization(), L.Flatten(), L.Dense(2)),
                      _floats(B, 5, 4), ["rowsum", *DENSE])
+if hasattr(L.Dense, "enable_lora"):  # Keras 3: W + s·A·B, the frozen W not trained.
+  LORA = ["rowsum", "outer", "outer"]  # The bias, A and B of a Dense or EinsumDense.
+  ZOO.update({
+      "dense_lora": (lambda: _seq((4,), L.Dense(3, lora_rank=2), L.Dense(2)), _floats(B, 4),
+                     LORA + DENSE),
+      "einsum_dense_lora": (
+          lambda: _seq((5, 4), L.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="e",
+                                             lora_rank=2), L.Flatten(), L.Dense(2)),
+          _floats(B, 5, 4), LORA + DENSE),
+      "embedding_lora": (lambda: _seq((5,), L.Embedding(11, 4, lora_rank=2), L.Flatten(),
+                                      L.Dense(2), dtype="int32"), _ints(B, 5),
+                         ["gather", "outer", *DENSE]),
+      "attention_lora": (_lora_attention, _floats(B, 3, 4), LORA * 5),
+  })
+ZOO["low_rank_transposed"] = (lambda: _seq((5, 4), _LowRank(), L.Flatten(), L.Dense(2)),
+                              _floats(B, 5, 4), ["outer", "outer", *DENSE])
+ZOO["low_rank_read_twice"] = (lambda: _seq((5, 4), _LowRank(twice=True), L.Flatten(), L.Dense(2)),
+                              _floats(B, 5, 4), ["fallback", "fallback", *DENSE])
 if hasattr(L, "GroupQueryAttention"):  # Keras 3 only; its key and value heads are repeated (Tile).
   ZOO["group_query_attention"] = (
       lambda: _two_inputs(L.GroupQueryAttention(2, 4, 2), use_causal_mask=True),
@@ -309,7 +358,8 @@ if hasattr(L, "DepthwiseConv1D"):
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
-       "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before"]
+       "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
+       *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 
 def _build(name):
@@ -360,12 +410,12 @@ def test_fit_step_is_mean_of_clipped_single_example_gradients(name):
   assert np.all(norms > clip)
   scale = clip / norms
   want = [w - lr * np.mean(r * scale.reshape([B] + [1] * (r.ndim - 1)), axis=0)
-          for w, r in zip(model.get_weights(), ref)]
+          for w, r in zip([v.numpy() for v in model.trainable_variables], ref)]
   optimizer = tfdp_variants.DPSGD(clip, 0.0, learning_rate=lr)
   model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
   model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-  for got, w, v in zip(model.get_weights(), want, model.trainable_variables):
-    np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
+  for w, v in zip(want, model.trainable_variables):  # A frozen LoRA kernel is not trainable.
+    np.testing.assert_allclose(v.numpy(), w, rtol=1e-4, atol=1e-6, err_msg=v.name)
   if rules is not None:
     _assert_rules(list(optimizer.per_example_rules), rules)
 

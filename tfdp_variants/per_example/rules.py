@@ -238,14 +238,16 @@ def _whole_read(t: tf.Tensor) -> bool:
   return t.op.type == "ReadVariableOp"
 
 
+def _rows_gathered(op: tf.Operation, table: tf.Tensor) -> bool:
+  """Whether `op` is a GatherV2 of rows (axis 0) of `table` by example-major ids."""
+  return (op.type == "GatherV2" and trace.same(op.inputs[0], table)
+          and not trace.same(op.inputs[1], table) and op.get_attr("batch_dims") == 0
+          and trace.constant_value(op.inputs[2]) == 0 and trace.batch_axis(op.inputs[1]) == 0)
+
+
 def _match_gather_v2(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   """GatherV2 of a read (Keras 3's Embedding): rows (axis 0) of the table by example-major ids."""
-  if (op.type != "GatherV2" or not trace.same(op.inputs[0], var_input)
-      or trace.same(op.inputs[1], var_input) or not _whole_read(var_input)
-      or op.get_attr("batch_dims") != 0 or trace.constant_value(op.inputs[2]) != 0
-      or trace.batch_axis(op.inputs[1]) != 0):
-    return None
-  return "gather_v2"
+  return "gather_v2" if _rows_gathered(op, var_input) and _whole_read(var_input) else None
 
 
 def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
@@ -372,19 +374,129 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   return F.Outer(d, a, tuple(var.shape)) if transposed else F.Outer(a, d, tuple(var.shape))
 
 
+# ---------------------------------------------------------------------------------------------
+# Low-rank weights (Keras 3's `lora_rank`): a layer's weight K = W + s·A·B, A and B trainable.
+
+_LAYOUT = frozenset({"Identity", "Reshape", "Cast"})  # Ops that keep the row-major order.
+
+
+def _is_weight(t: tf.Tensor) -> bool:
+  """Whether `t` is a variable's value or a constant, behind layout ops only: no example in it."""
+  while t.op.type in _LAYOUT:
+    t = t.op.inputs[0]
+  return t.op.type in ("ReadVariableOp", "Const")
+
+
+def _only_use(t: tf.Tensor, forward: set[tf.Operation]) -> Optional[tf.Operation]:
+  uses = [c for c in t.consumers() if c in forward]
+  return uses[0] if len(uses) == 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _LowRank:
+  """A product P = A·B of two weights, (N, r)·(r, O), that reaches one rule-bearing use `inner` (a
+  key of `RULES`: `kind`) as its weight K = s·P + W, K read in row-major (U, V) blocks, V a
+  multiple of O (`_low_rank_use`). The variable is A (`left`) or B; `other` is the other factor.
+  `probe`, the inner op's output, is the tensor whose gradient the factor needs."""
+
+  probe: tf.Tensor
+  kind: str
+  inner: tf.Operation
+  weight: tf.Tensor
+  other: tf.Tensor
+  left: bool
+  scale: float
+
+
+def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[int]:
+  """V: the width of the rows of the inner rule's second factor operand, a product of K's trailing
+  sizes (None if it has none)."""
+  sizes = k.shape.as_list()
+  if kind == "einsum":
+    contracted = _einsum_use(inner, k).contracted
+    return math.prod(sizes[contracted:]) if contracted < len(sizes) else None
+  return sizes[-1] if kind != "gather_v2" or len(sizes) == 2 else None
+
+
+def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
+                  forward: set[tf.Operation]) -> Optional[_LowRank]:
+  """A MatMul of the variable and a weight whose product reaches a layer's weight K: each later op
+  the previous one's only use, among layout ops, one Mul by a scalar constant and one AddV2 of a
+  weight of K's shape; K used once, by a matmul, batch_matmul, einsum or gather_v2 rule."""
+  k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
+  if (op.type != "MatMul" or len(k) != 1 or op.get_attr("transpose_a")
+      or op.get_attr("transpose_b") or not _is_weight(op.inputs[1 - k[0]])
+      or not op.outputs[0].shape.is_fully_defined()):
+    return None
+  t, scale, steps = op.outputs[0], 1.0, set()
+  while True:
+    use = _only_use(t, forward)
+    if use is None:
+      return None
+    others = [x for x in use.inputs if x is not t]
+    if use.type in _LAYOUT and use.inputs[0] is t and (
+        use.type != "Cast" or use.outputs[0].dtype.is_floating):
+      t = use.outputs[0]
+      continue
+    value = trace.constant_value(others[0]) if len(others) == 1 else None
+    if (use.type == "Mul" and "Mul" not in steps and len(use.inputs) == 2
+        and isinstance(value, float) and math.isfinite(value)):
+      scale, t = scale * value, use.outputs[0]
+    elif (use.type in ("AddV2", "Add") and "Add" not in steps and len(others) == 1
+          and _is_weight(others[0]) and others[0].shape == t.shape):
+      t = use.outputs[0]
+    else:
+      break
+    steps.add(use.type[:3])
+  kind = next((kind for kind in ("matmul", "batch_matmul", "einsum")
+               if RULES[kind].match(use, t) is not None), None)
+  if kind is None and _rows_gathered(use, t):
+    kind = "gather_v2"
+  width = None if kind is None or not t.shape.is_fully_defined() else _trailing_width(kind, use, t)
+  if width is None or width % op.outputs[0].shape[-1]:
+    return None
+  return _LowRank(use.outputs[0], kind, use, t, op.inputs[1 - k[0]], k[0] == 0, scale)
+
+
+def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """The per-example gradient of K, G = Σ_t u_tᵀ v_t (rows v_t of Q blocks of width O), pulled
+  back through K = W + s·A·B: g_A = s·G·Bᵀ = Σ_t u_tᵀ (s·v_t·Bᵀ), and
+  g_B = s·Aᵀ·G = Σ_{t,q} (s·u_t·A_q)ᵀ v_{t,q}, A_q the rows of A of block q. An embedding
+  table's G = Σ_t onehot(id_t) ⊗ v_t likewise: g_A gathers s·v_t·Bᵀ, g_B is an `Outer` of A's
+  rows s·A[id_t]."""
+  inner = RULES[use.kind].factor(use.inner, grad, m, tf.TensorSpec(use.weight.shape, var.dtype))
+  other = tf.cast(use.other, var.dtype)
+  gathered = isinstance(inner, F.Gather)
+  v = inner.d
+  if use.left:  # other = B, (r, O)
+    r, o = other.shape
+    q = v.shape[-1] // o
+    pulled = tf.reshape(tf.matmul(tf.reshape(v, [m, -1, q, o]), use.scale * other,
+                                  transpose_b=True), [m, -1, q * r])
+    if gathered:
+      return F.Gather(inner.ids, pulled, tuple(var.shape))
+    return F.Outer(inner.a, pulled, tuple(var.shape))
+  r, o = other.shape[-1], var.shape[-1]  # other = A, (N, r)
+  q = v.shape[-1] // o
+  a = tf.reshape(use.scale * other, [-1, q * r])
+  rows = tf.gather(a, inner.ids) if gathered else tf.matmul(inner.a, a)
+  return F.Outer(tf.reshape(rows, [m, -1, r]), tf.reshape(v, [m, -1, o]), tuple(var.shape))
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """How a use matches (`match(op, var_input)`: the kind, or None) and the factor it gives
   (`factor(op, grad, m, var)`, `grad` the gradient of the op's output).
 
-  A rule for a use inside a loop body (`in_loop`) reads which ops reach the loss: `match(op,
-  var_input, forward)` returns its proof (None: no match), whose `probe` is the outer tensor whose
-  gradient the factor needs, and `factor(proof, grad, m, var)` takes that proof.
+  A rule that proves more than its op (`proves`: a use inside a loop body, a low-rank product)
+  reads which ops reach the loss: `match(op, var_input, forward)` returns its proof (None: no
+  match), whose `probe` is the tensor whose gradient the factor needs, and `factor(proof, grad, m,
+  var)` takes that proof.
   """
 
   match: Callable[..., Optional[object]]
   factor: Callable[..., F.Factor]
-  in_loop: bool = False
+  proves: bool = False
 
 
 # kind -> rule. `var_input` is the tensor through which the op reads the variable (a read, possibly
@@ -405,7 +517,9 @@ RULES: dict[str, Rule] = {
     "conv_transpose": Rule(conv_rules.match_transposed, conv_rules.transposed_factor),
     "blocked_conv2d": Rule(conv_rules.match_blocked_conv2d, conv_rules.blocked_conv2d_factor),
     # A looped RNN's recurrent kernel (`recurrence.py` writes the loops it proves).
-    "loop_matmul": Rule(loop_rules.loop_matmul_use, loop_rules.loop_matmul_factor, in_loop=True),
+    "loop_matmul": Rule(loop_rules.loop_matmul_use, loop_rules.loop_matmul_factor, proves=True),
+    # A factor of a low-rank weight W + s·A·B (LoRA), through the rule of the weight's use.
+    "low_rank": Rule(_low_rank_use, _low_rank_factor, proves=True),
 }
 
 
@@ -415,7 +529,7 @@ def match(op: tf.Operation, var_input: tf.Tensor, forward: set[tf.Operation],
   """The use of a variable that a rule covers (None: fallback); `forward` the ops the loss
   depends on, `sign` as in `Use`."""
   for kind, rule in RULES.items():
-    if rule.in_loop:
+    if rule.proves:
       proof = rule.match(op, var_input, forward)
       if proof is not None:
         return Use(kind, op, sign, proof)
@@ -430,7 +544,7 @@ def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Fac
   negated for a negated read (`Use.sign`: every rule is linear in the gradient)."""
   grad = grad if use.sign > 0 else -grad
   rule = RULES[use.kind]
-  return rule.factor(use.proof if rule.in_loop else use.op, grad, m, var)
+  return rule.factor(use.proof if rule.proves else use.op, grad, m, var)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,7 +603,7 @@ class Use:
 
   kind: a key of `RULES` ("matmul", "zero_matmul", "conv", "bias_add", "gather",
   "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs (the op's
-  output, or an in-loop rule's probe); `sign` -1
+  output, or a proving rule's probe); `sign` -1
   when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
   linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
   """
@@ -497,7 +611,7 @@ class Use:
   kind: str
   op: tf.Operation
   sign: int = 1
-  proof: Optional[object] = None  # An in-loop rule's proof (`Rule.in_loop`).
+  proof: Optional[object] = None  # A proving rule's proof (`Rule.proves`).
 
   @property
   def output(self) -> tf.Tensor:
