@@ -1,4 +1,4 @@
-"""Step time of six models under each optimizer, as ratios to the non-private step.
+"""Step time of seven models under each optimizer, as ratios to the non-private step.
 
 Models (synthetic data, no downloads; Adam as the base optimizer, one example per microbatch):
 
@@ -9,6 +9,8 @@ Models (synthetic data, no downloads; Adam as the base optimizer, one example pe
 * `transformer`: Embedding(8000, 128) over 64 token ids, 2 encoder blocks (MultiHeadAttention with
   4 heads of key_dim 32, residual, LayerNormalization, FFN 256 → 128, residual,
   LayerNormalization), mean pool, Dense(2), batch 64 (issue 16);
+* `transformer_lora`: the same encoder fine-tuned by LoRA (rank 8 on every projection of the
+  blocks, their kernels and the embedding frozen; Keras 3 only), batch 64;
 * `lstm`: Embedding(8000, 64) over 64 token ids → LSTM(128) (looped, `unroll=False`) → Dense(2),
   batch 64 (issue 16);
 * `groupnorm_cnn`: 32×32×3 inputs, Conv 32 → GroupNorm → Conv 64 stride 2 → GroupNorm → Conv 128
@@ -103,6 +105,31 @@ def _transformer_layers() -> list:
           L.GlobalAveragePooling1D(), L.Dense(2)]
 
 
+class _LoraEncoderBlock(_EncoderBlock):
+  """`_EncoderBlock` fine-tuned by LoRA (Keras 3's `enable_lora`): every projection's kernel
+  frozen, its low-rank factors trained; the layer norms trained in full."""
+
+  def __init__(self, *args, rank: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.rank = rank
+
+  def build(self, input_shape):
+    self.attention.build(input_shape, input_shape)
+    self.ffn1.build(input_shape)
+    self.ffn2.build((*input_shape[:-1], self.ffn1.units))
+    self.norm1.build(input_shape)
+    self.norm2.build(input_shape)
+    for layer in self._flatten_layers(include_self=False):
+      if hasattr(layer, "enable_lora"):
+        layer.enable_lora(self.rank)
+
+
+def _transformer_lora_layers() -> list:
+  return [L.Input((64,), dtype="int32"), L.Embedding(8000, 128, trainable=False),
+          *[_LoraEncoderBlock(128, 4, 32, 256, rank=8) for _ in range(2)],
+          L.GlobalAveragePooling1D(), L.Dense(2)]
+
+
 def _lstm_layers() -> list:
   return [L.Input((64,), dtype="int32"), L.Embedding(8000, 64), L.LSTM(128), L.Dense(2)]
 
@@ -134,6 +161,11 @@ WORKLOADS = {
                               lambda rng, b: (rng.random((b, 32, 32, 3), np.float32),
                                               rng.integers(0, 10, b)), 64),
 }
+
+if hasattr(L.Dense, "enable_lora"):  # Keras 3.
+  WORKLOADS["transformer_lora"] = Workload(
+      "small Transformer encoder, LoRA rank 8", _transformer_lora_layers,
+      WORKLOADS["transformer"].data, 64)
 
 _MODELS = flags.DEFINE_list("models", list(WORKLOADS), "Models to time: " + ", ".join(WORKLOADS))
 _BATCH = flags.DEFINE_list("batch_size", [],
