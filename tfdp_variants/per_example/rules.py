@@ -406,6 +406,7 @@ class _LowRank:
   other: tf.Tensor
   left: bool
   scale: float
+  width: int  # O.
 
 
 def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[int]:
@@ -453,9 +454,11 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
   if kind is None and _rows_gathered(use, t):
     kind = "gather_v2"
   width = None if kind is None or not t.shape.is_fully_defined() else _trailing_width(kind, use, t)
-  if width is None or width % op.outputs[0].shape[-1]:
+  if (width is None or width % op.outputs[0].shape[-1]
+      or (kind == "gather_v2" and k[0] == 0 and not _whole_read(var_input))):  # Rows of A.
     return None
-  return _LowRank(use.outputs[0], kind, use, t, op.inputs[1 - k[0]], k[0] == 0, scale)
+  return _LowRank(use.outputs[0], kind, use, t, op.inputs[1 - k[0]], k[0] == 0, scale,
+                  op.outputs[0].shape[-1])
 
 
 def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
@@ -465,20 +468,19 @@ def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
   table's G = Σ_t onehot(id_t) ⊗ v_t likewise: g_A gathers s·v_t·Bᵀ, g_B is an `Outer` of A's
   rows s·A[id_t]."""
   inner = RULES[use.kind].factor(use.inner, grad, m, tf.TensorSpec(use.weight.shape, var.dtype))
-  other = tf.cast(use.other, var.dtype)
+  other = use.scale * tf.cast(use.other, var.dtype)  # s·B, (r, O), or s·A, (N, r).
   gathered = isinstance(inner, F.Gather)
-  v = inner.d
-  if use.left:  # other = B, (r, O)
-    r, o = other.shape
-    q = v.shape[-1] // o
-    pulled = tf.reshape(tf.matmul(tf.reshape(v, [m, -1, q, o]), use.scale * other,
-                                  transpose_b=True), [m, -1, q * r])
+  v, o = inner.d, use.width
+  q = v.shape[-1] // o
+  if use.left:
+    r = other.shape[0]
+    pulled = tf.reshape(tf.matmul(tf.reshape(v, [m, -1, q, o]), other, transpose_b=True),
+                        [m, -1, q * r])
     if gathered:
       return F.Gather(inner.ids, pulled, tuple(var.shape))
     return F.Outer(inner.a, pulled, tuple(var.shape))
-  r, o = other.shape[-1], var.shape[-1]  # other = A, (N, r)
-  q = v.shape[-1] // o
-  a = tf.reshape(use.scale * other, [-1, q * r])
+  r = other.shape[-1]
+  a = tf.reshape(other, [-1, q * r])
   rows = tf.gather(a, inner.ids) if gathered else tf.matmul(inner.a, a)
   return F.Outer(tf.reshape(rows, [m, -1, r]), tf.reshape(v, [m, -1, o]), tuple(var.shape))
 
