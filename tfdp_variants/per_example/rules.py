@@ -406,6 +406,7 @@ RULES: dict[str, Rule] = {
     "blocked_conv2d": Rule(conv_rules.match_blocked_conv2d, conv_rules.blocked_conv2d_factor),
     # A looped RNN's recurrent kernel (`recurrence.py` writes the loops it proves).
     "loop_matmul": Rule(loop_rules.loop_matmul_use, loop_rules.loop_matmul_factor, in_loop=True),
+    "loop_conv": Rule(loop_rules.loop_conv_use, loop_rules.loop_conv_factor, in_loop=True),
 }
 
 
