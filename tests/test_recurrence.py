@@ -51,6 +51,42 @@ def test_loops_compute_keras_values(layer, go_backwards, masked, zero_output_for
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layer,spatial", [("ConvLSTM1D", [6]), ("ConvLSTM2D", [4, 5]),
+                                           ("ConvLSTM3D", [3, 4, 4])])
+@pytest.mark.parametrize("options", [
+    {"padding": "same", "go_backwards": True},
+    {"padding": "valid", "strides": 2, "data_format": "channels_first"},
+    {"padding": "same", "dilation_rate": 2, "use_bias": False, "activation": "relu"}])
+def test_conv_lstm_loop_computes_keras_values(layer, spatial, options):
+  """ConvLSTM's outputs, last output and states equal those of Keras' own loop, in a graph, a
+  (B, T) mask included."""
+  tf.keras.utils.set_random_seed(0)
+  make = lambda: getattr(L, layer)(H, 3, return_sequences=True, return_state=True, **options)
+  keras_layer, ours = make(), make()
+  x = _x(*spatial)
+  if options.get("data_format") == "channels_first":
+    x = tf.transpose(x, [0, 1, x.shape.rank - 1, *range(2, x.shape.rank - 1)])
+  keras_layer(x), ours(x)
+  keras_layer.set_weights([w + 0.1 for w in keras_layer.get_weights()])  # A bias not all zeros.
+  ours.set_weights(keras_layer.get_weights())
+  want = tf.function(lambda x: keras_layer(x, mask=_MASK, training=True))(x)
+  recurrence.enable(tf.keras.Sequential([ours]))
+  seen = {}
+
+  @tf.function
+  def run(x):
+    out = ours(x, mask=_MASK, training=True)
+    loss = tf.reduce_sum(tf.square(out[0]), axis=range(1, out[0].shape.rank))
+    seen["rules"] = per_example.compute(loss, ours.trainable_variables).rules
+    return out
+
+  got = run(x)
+  assert seen["rules"] == ["outer", "outer", "rowsum"][:len(ours.trainable_variables)]
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def _loop_model(variant: str, spatial: tuple = ()):
   """A hand-written recurrence (`recurrence._loop`'s shape), changed as `variant` says; returns
   (variables, per-example loss function). With `spatial` sizes (two), the recurrent product is a
