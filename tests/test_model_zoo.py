@@ -194,6 +194,28 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
         L.SimpleRNN(2, return_sequences=True)), L.Flatten(), L.Dense(2)),
                              tf.concat([_floats(B, 3, 3), tf.zeros([B, 1, 3])], 1),
                              RNN * 2 + DENSE),
+    # ConvLSTM: the input conv of every frame hoisted out of the loop ("outer"), the recurrent conv
+    # in it ("loop_conv", an "outer"), the bias a row sum; a 1-D one as a 2-D one of height 1.
+    "conv_lstm1d": (lambda: _seq((3, 6, 2), L.ConvLSTM1D(2, 3, padding="same"), L.Flatten(),
+                                 L.Dense(2)), _floats(B, 3, 6, 2), RNN + DENSE),
+    "conv_lstm1d_dilated": (lambda: _seq((3, 7, 2), L.ConvLSTM1D(2, 3, dilation_rate=2,
+                                                                 use_bias=False),
+                                         L.Flatten(), L.Dense(2)),
+                            _floats(B, 3, 7, 2), ["outer", "outer", *DENSE]),
+    "conv_lstm2d": (lambda: _seq((3, 5, 5, 2), L.ConvLSTM2D(2, 3), L.Flatten(), L.Dense(2)),
+                    _floats(B, 3, 5, 5, 2), RNN + DENSE),
+    "conv_lstm2d_same_sequences": (lambda: _seq((3, 4, 5, 2), L.ConvLSTM2D(
+        2, 3, padding="same", return_sequences=True, go_backwards=True), L.Flatten(),
+                                                L.Dense(2)), _floats(B, 3, 4, 5, 2), RNN + DENSE),
+    "conv_lstm2d_strided": (lambda: _seq((3, 6, 5, 2), L.ConvLSTM2D(2, 3, strides=2,
+                                                                    padding="same"),
+                                         L.Flatten(), L.Dense(2)),
+                            _floats(B, 3, 6, 5, 2), RNN + DENSE),
+    "conv_lstm2d_channels_first": (lambda: _seq((3, 2, 5, 4), L.ConvLSTM2D(
+        2, 3, padding="same", data_format="channels_first"), L.Flatten(), L.Dense(2)),
+                                   _floats(B, 3, 2, 5, 4), RNN + DENSE),
+    "conv_lstm3d": (lambda: _seq((2, 3, 4, 3, 2), L.ConvLSTM3D(2, 2, padding="same"), L.Flatten(),
+                                 L.Dense(2)), _floats(B, 2, 3, 4, 3, 2), RNN + DENSE),
     "shared_dense": (_shared_dense, _floats(B, 4), DENSE * 2),
     # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
     "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),
@@ -359,7 +381,7 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
-       *(["dense_lora"] if "dense_lora" in ZOO else [])]
+       "conv_lstm2d_same_sequences", *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 
 def _build(name):

@@ -14,8 +14,8 @@ L = tf.keras.layers
 B, T, D, H = 4, 5, 3, 6
 
 
-def _x():
-  return tf.random.stateless_normal([B, T, D], seed=[3, 4])
+def _x(*spatial):
+  return tf.random.stateless_normal([B, T, *spatial, D], seed=[3, 4])
 
 
 # Masks of (B, T): padding at the end, a hole in the middle, all steps, none but the first.
@@ -51,25 +51,71 @@ def test_loops_compute_keras_values(layer, go_backwards, masked, zero_output_for
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def _loop_model(variant: str):
+@pytest.mark.parametrize("layer,spatial", [("ConvLSTM1D", [6]), ("ConvLSTM2D", [4, 5]),
+                                           ("ConvLSTM3D", [3, 4, 4])])
+@pytest.mark.parametrize("options", [
+    {"padding": "same", "go_backwards": True},
+    {"padding": "valid", "strides": 2, "data_format": "channels_first"},
+    {"padding": "same", "dilation_rate": 2, "use_bias": False, "activation": "relu"}])
+def test_conv_lstm_loop_computes_keras_values(layer, spatial, options):
+  """ConvLSTM's outputs, last output and states equal those of Keras' own loop, in a graph, a
+  (B, T) mask included."""
+  tf.keras.utils.set_random_seed(0)
+  make = lambda: getattr(L, layer)(H, 3, return_sequences=True, return_state=True, **options)
+  keras_layer, ours = make(), make()
+  x = _x(*spatial)
+  if options.get("data_format") == "channels_first":
+    x = tf.transpose(x, [0, 1, x.shape.rank - 1, *range(2, x.shape.rank - 1)])
+  keras_layer(x), ours(x)
+  keras_layer.set_weights([w + 0.1 for w in keras_layer.get_weights()])  # A bias not all zeros.
+  ours.set_weights(keras_layer.get_weights())
+  want = tf.function(lambda x: keras_layer(x, mask=_MASK, training=True))(x)
+  recurrence.enable(tf.keras.Sequential([ours]))
+  seen = {}
+
+  @tf.function
+  def run(x):
+    out = ours(x, mask=_MASK, training=True)
+    loss = tf.reduce_sum(tf.square(out[0]), axis=range(1, out[0].shape.rank))
+    seen["rules"] = per_example.compute(loss, ours.trainable_variables).rules
+    return out
+
+  got = run(x)
+  assert seen["rules"] == ["outer", "outer", "rowsum"][:len(ours.trainable_variables)]
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _loop_model(variant: str, spatial: tuple = ()):
   """A hand-written recurrence (`recurrence._loop`'s shape), changed as `variant` says; returns
-  (variables, per-example loss function)."""
+  (variables, per-example loss function). With `spatial` sizes (two), the recurrent product is a
+  3×3 Conv2D of unit strides and SAME padding (ConvLSTM's) instead of a MatMul."""
   w = tf.Variable(tf.random.stateless_normal([D, H], seed=[1, 1]) * 0.5)
-  u = tf.Variable(tf.random.stateless_normal([H, H], seed=[1, 2]) * 0.5)
+  u = tf.Variable(tf.random.stateless_normal([*[3] * len(spatial), H, H], seed=[1, 2]) * 0.5
+                  / 3**len(spatial))  # 3×3 windows: smaller weights, values of one scale.
+  state = [*spatial, H]
+  axes = lambda t: list(range(1, t.shape.rank))
+  swap = lambda t: tf.transpose(t, [1, 0, *axes(t)[1:]])
+
+  def product(a, kernel):
+    if not spatial:
+      return tf.matmul(a, kernel)
+    return tf.nn.conv2d(a, kernel, 1, "SAME", dilations=2 if variant == "dilated" else 1)
 
   def loss(x):
-    probe = extra = tf.transpose(tf.matmul(x, w), [1, 0, 2])  # (T, B, H)
+    probe = extra = swap(tf.matmul(x, w))  # (T, B, ·, H)
     if variant == "shared_probe":  # One row for all examples, broadcast: no example's gradient.
-      probe = tf.ones([T, 1, H])
+      probe = tf.ones([T, 1, *state])
     rec = tf.convert_to_tensor(u)
-    inputs = tf.TensorArray(tf.float32, size=T, element_shape=[None, H])
+    inputs = tf.TensorArray(tf.float32, size=T, element_shape=[None, *state])
     rows = lambda p: tf.TensorArray(tf.float32, size=T, element_shape=p.shape[1:]).unstack(p)
     probe_rows, extra_rows = rows(probe), rows(extra)
 
     def body(t, inputs, h):
-      r = tf.matmul(h, rec)
+      r = product(h, rec)
       if variant == "kernel_twice":
-        r += tf.matmul(tf.tanh(h), rec)
+        r += product(tf.tanh(h), rec)
       z = r + (tf.gather(probe, t) if variant == "gathered_row" else probe_rows.read(t))
       if variant == "shared_probe":
         z += extra_rows.read(t)
@@ -79,26 +125,29 @@ def _loop_model(variant: str):
       return t + step, inputs.write(t, written), new
 
     _, inputs, h = tf.while_loop(lambda t, *_: t < T, body,
-                                 (tf.constant(0), inputs, tf.zeros([tf.shape(x)[0], H])),
+                                 (tf.constant(0), inputs, tf.zeros([tf.shape(x)[0], *state])),
                                  maximum_iterations=T)
-    out = tf.reduce_sum(h**2, 1)
+    out = tf.reduce_sum(h**2, axes(h))
     if variant == "probe_read_outside":
-      out += tf.reduce_sum(tf.transpose(probe, [1, 0, 2])**2, [1, 2])
+      out += tf.reduce_sum(swap(probe)**2, axes(probe))
     return out
 
   return [w, u], loss
 
 
-@pytest.mark.parametrize("variant,rule", [
-    ("plain", "outer"), ("shared_probe", "fallback"), ("gathered_row", "fallback"),
-    ("kernel_twice", "fallback"),
-    ("other_row_written", "fallback"), ("counter_by_two", "fallback"),
-    ("probe_read_outside", "fallback")])
-def test_loop_rule_matches_only_proven_loops(variant, rule):
+@pytest.mark.parametrize("variant,rule,spatial", [
+    ("plain", "outer", ()), ("shared_probe", "fallback", ()), ("gathered_row", "fallback", ()),
+    ("kernel_twice", "fallback", ()),
+    ("other_row_written", "fallback", ()), ("counter_by_two", "fallback", ()),
+    ("probe_read_outside", "fallback", ()),
+    # The "loop_conv" rule: unit dilations (and strides, SAME padding) read from the op's attributes.
+    ("plain", "outer", (4, 5)), ("kernel_twice", "fallback", (4, 5)),
+    ("dilated", "fallback", (4, 5)), ("shared_probe", "fallback", (4, 5))])
+def test_loop_rule_matches_only_proven_loops(variant, rule, spatial):
   """Each change to the proven structure sends the recurrent kernel to the fallback, and every
   result is exact against single-example gradients."""
-  variables, loss = _loop_model(variant)
-  x = _x()
+  variables, loss = _loop_model(variant, spatial)
+  x = _x(*spatial)
 
   seen = {}
 

@@ -1,9 +1,12 @@
-"""The per-example rule of a recurrent product inside a while loop (looped RNNs, `recurrence.py`).
+"""The per-example rules of a recurrent product inside a while loop (looped RNNs, `recurrence.py`).
 
 A variable U that a loop body uses as `r_t = a_t·U` has, for example i, the gradient
 Σ_t a_{t,i}ᵀ ∂L/∂r_{t,i}: an `Outer` factor, if the a_t and the ∂L/∂r_t can be read outside the
-loop. The rule matches only a loop whose body proves that they can (`loop_matmul_use`):
-  * U enters the loop unchanged (a loop invariant) and its one live use is `MatMul(a_t, U)`;
+loop; so has a convolution r_t = a_t ⋆ U (ConvLSTM), Σ_t Σ_p patch(a_{t,i})_pᵀ ∂L/∂r_{t,i,p} over
+its positions p, if its windows are known (unit strides and dilations, SAME padding). A rule
+matches only a loop whose body proves that they can (`loop_matmul_use`, `loop_conv_use`):
+  * U enters the loop unchanged (a loop invariant) and its one live use is `MatMul(a_t, U)`
+    (or such a `Conv2D` / `Conv3D`, channels last);
   * the product's one live use is an `AddV2` with row t of a loop-invariant list unstacked from a
     probe q (`TensorListGetItem`, the list's only live use, its row used by nothing else); so
     ∂L/∂r_t = ∂L/∂q_t, and q's gradient outside the loop holds every step's;
@@ -22,10 +25,11 @@ accumulators that a backward pass adds to the loop are not.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import trace
 
@@ -34,14 +38,16 @@ _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # Ops that read no val
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopMatMul:
-  """A proven recurrent product: `probe` (outer, time-major (T, B, K)) and `inputs` (the loop's
-  output list whose row t holds a_t, (B, D), of dtype `dtype`)."""
+class LoopProduct:
+  """A proven recurrent product: `probe` (outer, time-major (T, B, ·)), `inputs` (the loop's
+  output list whose row t holds a_t, of shape `shape` and dtype `dtype`) and the shape of the
+  kernel as the product reads it, `kernel`."""
 
   probe: tf.Tensor
   inputs: tf.Tensor
-  width: int
+  shape: tf.TensorShape
   dtype: tf.DType
+  kernel: tf.TensorShape
 
 
 def _body_ancestors(outputs: list[tf.Tensor]) -> set[tf.Operation]:
@@ -107,9 +113,36 @@ def _written_row(body: tf.Graph, a: tf.Tensor, t: tf.Tensor) -> Optional[int]:
   return None
 
 
-def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
-                    forward: set[tf.Operation]) -> Optional[LoopMatMul]:
-  """The proven recurrent product of `var_input` in while loop `loop` (module docstring)."""
+def _matmul_rank(product: tf.Operation) -> Optional[int]:
+  """2 for a MatMul a·U of untransposed operands, else None."""
+  if (product.type != "MatMul" or product.get_attr("transpose_a")
+      or product.get_attr("transpose_b")):
+    return None
+  return 2
+
+
+def _same_conv_rank(product: tf.Operation) -> Optional[int]:
+  """The rank (4, 5) of a channels-last, ungrouped Conv2D or Conv3D of static sizes, unit strides
+  and dilations and SAME padding (Keras' `recurrent_conv`: a position's output reads the kernel's
+  window around it, zeros beyond the edges), else None."""
+  rank = {"Conv2D": 4, "Conv3D": 5}.get(product.type)
+  if rank is None:
+    return None
+  a, w = product.inputs[0], product.inputs[1]
+  if (product.get_attr("padding") != b"SAME"
+      or product.get_attr("data_format") not in (b"NHWC", b"NDHWC")
+      or set(product.get_attr("strides")) != {1} or set(product.get_attr("dilations")) != {1}
+      or a.shape.rank != rank or not a.shape[1:].is_fully_defined()
+      or not w.shape.is_fully_defined() or w.shape[-2] != a.shape[-1]):
+    return None
+  return rank
+
+
+def _loop_product_use(loop: tf.Operation, var_input: tf.Tensor, forward: set[tf.Operation],
+                      product_rank: Callable[[tf.Operation], Optional[int]]
+                      ) -> Optional[LoopProduct]:
+  """The proven recurrent product of `var_input` in while loop `loop` (module docstring), an op
+  that `product_rank` accepts (its operands' rank)."""
   k = [i for i, t in enumerate(loop.inputs) if trace.same(t, var_input)]
   body, cond = trace.function_graph(loop, "body"), trace.function_graph(loop, "cond")
   if (loop.type not in _WHILES or len(k) != 1 or body is None or cond is None
@@ -118,9 +151,9 @@ def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
   live = _live_ops(loop, body, cond, forward)
   u = body.inputs[k[0]]
   product = _only_use(u, live)
-  if (_invariant(body, u) is None or product is None or product.type != "MatMul"
-      or product.inputs[1] is not u or product.inputs[0] is u
-      or product.get_attr("transpose_a") or product.get_attr("transpose_b")):
+  rank = None if product is None else product_rank(product)  # Checks the op type first.
+  if (_invariant(body, u) is None or rank is None or product.inputs[1] is not u
+      or product.inputs[0] is u):
     return None
   a, r = product.inputs[0], product.outputs[0]
   add = _only_use(r, live)
@@ -129,7 +162,7 @@ def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
   row = add.inputs[1] if add.inputs[0] is r else add.inputs[0]
   read = row.op
   if (read.type != "TensorListGetItem" or _only_use(row, live) is not add
-      or row.shape.rank != 2 or r.shape.rank != 2 or a.shape.rank != 2
+      or row.shape.rank != rank or r.shape.rank != rank or a.shape.rank != rank
       or not row.shape.is_compatible_with(r.shape) or row.shape[-1] is None):
     return None
   rows, t = read.inputs[0], read.inputs[1]
@@ -144,23 +177,56 @@ def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
       or [c for c in unstacked.consumers() if c in forward] != [loop]
       or [c for c in probe.consumers() if c in forward and c.type not in _SHAPES]
       != [unstacked.op]
-      or probe.shape.rank != 3 or trace.batch_axis(probe) != 1
+      or probe.shape.rank != rank + 1 or trace.batch_axis(probe) != 1
       or trace.batch_axis(loop.outputs[kl]) != 1):
     return None
-  return LoopMatMul(probe, loop.outputs[kl], a.shape[-1], a.dtype)
+  return LoopProduct(probe, loop.outputs[kl], a.shape, a.dtype, u.shape)
 
 
-def match_loop_matmul(op: tf.Operation, var_input: tf.Tensor,
-                      forward: set[tf.Operation]) -> Optional[str]:
-  return None if loop_matmul_use(op, var_input, forward) is None else "loop_matmul"
+def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
+                    forward: set[tf.Operation]) -> Optional[LoopProduct]:
+  """The proven product a_t·U of `var_input` in while loop `loop` (a looped RNN)."""
+  return _loop_product_use(loop, var_input, forward, _matmul_rank)
 
 
-def loop_matmul_factor(use: LoopMatMul, grad: tf.Tensor, m: tf.Tensor,
+def loop_conv_use(loop: tf.Operation, var_input: tf.Tensor,
+                  forward: set[tf.Operation]) -> Optional[LoopProduct]:
+  """The proven convolution of a_t by `var_input` in while loop `loop` (ConvLSTM's recurrent
+  conv: unit strides, SAME padding)."""
+  return _loop_product_use(loop, var_input, forward, _same_conv_rank)
+
+
+def _stacked(use: LoopProduct) -> tf.Tensor:
+  """The a_t of every step, example-major (B, T, ·)."""
+  a = tf.raw_ops.TensorListStack(input_handle=use.inputs, element_shape=[-1, *use.shape[1:]],
+                                 element_dtype=use.dtype)
+  return _example_major(a)
+
+
+def _example_major(x: tf.Tensor) -> tf.Tensor:
+  """(T, B, ·) -> (B, T, ·)."""
+  return tf.transpose(x, [1, 0, *range(2, x.shape.rank)])
+
+
+def loop_matmul_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
                        var: tf.Variable) -> F.Factor:
   """g = Σ_t a_tᵀ ∂L/∂q_t per example: rows of the stacked list and of the probe's gradient."""
-  a = tf.raw_ops.TensorListStack(input_handle=use.inputs, element_shape=[-1, use.width],
-                                 element_dtype=use.dtype)
-  rows = lambda x, width: tf.reshape(tf.cast(tf.transpose(x, [1, 0, 2]), var.dtype),
-                                     [m, -1, width])
+  rows = lambda x, width: tf.reshape(tf.cast(x, var.dtype), [m, -1, width])
   fan_in, fan_out = var.shape
-  return F.Outer(rows(a, fan_in), rows(tf.convert_to_tensor(grad), fan_out), tuple(var.shape))
+  return F.Outer(rows(_stacked(use), fan_in),
+                 rows(_example_major(tf.convert_to_tensor(grad)), fan_out), tuple(var.shape))
+
+
+def loop_conv_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
+                     var: tf.Variable) -> F.Factor:
+  """g = Σ_t Σ_p patch(a_t)_pᵀ ∂L/∂q_{t,p} per example, patches by kernel offset
+  (`conv_rules.windowed_outer`) of the stacked list, in the product's unit strides and SAME
+  padding."""
+  a = _stacked(use)
+  frames = tf.reshape(a, [-1, *use.shape[1:]])  # (B·T, ·): each example's frames contiguous.
+  d = tf.reshape(tf.cast(_example_major(tf.convert_to_tensor(grad)), var.dtype),
+                 [m, -1, use.kernel[-1]])
+  spatial = use.kernel.rank - 2
+  windows = ([1] * spatial, [1] * spatial, "SAME")
+  return conv_rules.windowed_outer(frames, d, use.kernel[:-2].as_list(), windows, m, var.dtype,
+                                   1, tuple(var.shape))

@@ -1,4 +1,4 @@
-"""Looped LSTM, GRU and SimpleRNN written so that every weight has a per-example rule.
+"""Looped LSTM, GRU, SimpleRNN and ConvLSTM written so that every weight has a per-example rule.
 
 Keras loops over the time steps with the whole cell inside a `tf.while_loop`, so the kernel, the
 recurrent kernel and the bias are all used inside the loop body, where no backward pass outside it
@@ -13,6 +13,11 @@ Then ∂L/∂r_t = ∂L/∂q_t, which one ordinary backward pass gives outside t
 for example i is Σ_t h_{t-1,i}ᵀ ∂L/∂q_{t,i}: an `Outer` factor of the rows of two outer tensors
 (the "loop_matmul" rule, `loop_rules.py`, which proves this structure on the graph rather than
 trusting this module). The values computed are Keras' own cell's, term for term.
+
+ConvLSTM (`conv_lstm`) is the same with convolutions: the input conv of every frame hoisted (one
+conv of the B·T frames: the "conv", "conv3d" or "blocked_conv2d" rule), the recurrent conv (unit
+strides, SAME padding) the loop's product ("loop_conv"). Its sums are Keras', but one conv by the
+whole kernel may round differently from Keras' four by a quarter of it each (float32: ~1e-7).
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ _ENABLED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def enable(model) -> None:
-  """Lets `model`'s looped LSTM, GRU and SimpleRNN layers (nested ones and Bidirectional's
-  included) run this module's loops in graphs, so that their weights have per-example rules.
+  """Lets `model`'s looped LSTM, GRU, SimpleRNN and ConvLSTM layers (nested ones and
+  Bidirectional's included) run this module's loops in graphs, so that their weights have
+  per-example rules.
 
   `fit` of a model compiled with a DP optimizer calls it, and so do `per_example_gradients` and
   `norms_function`; a custom training loop calls it once before tracing its step. The values are
@@ -61,14 +67,16 @@ def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.T
 
 def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor, cell: Callable,
           sequence: Optional[tf.Tensor] = None, mask: Optional[tf.Tensor] = None,
-          zero_output_for_mask: bool = False, second_probe: Optional[tf.Tensor] = None
+          zero_output_for_mask: bool = False, second_probe: Optional[tf.Tensor] = None,
+          product: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = tf.matmul
           ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Runs `cell(r_t + probe_t, states, sequence_t) -> (h_t, states)` over the time-major (T, B, ·)
-  `probe` (and `sequence`, if given), r_t = states[0]·U; returns the last output, the outputs,
-  example-major (B, T, H), and the last states.
+  `probe` (and `sequence`, if given), r_t = product(states[0], U) (h_{t-1}·U, or ConvLSTM's
+  convolution); returns the last output, the outputs, example-major (B, T, ·), and the last
+  states.
 
   Row t of the probe is read once, at step t, by the one `AddV2` that also takes r_t; h_{t-1} is
-  written to row t of the list `inputs`, which the loop outputs (the `loop_matmul` rule's proof).
+  written to row t of the list `inputs`, which the loop outputs (the loop rules' proof).
   Rows are read from lists (`TensorArray.unstack`), as Keras does: the gradient of a `tf.gather`
   of a loop invariant would add a (T, B, K) tensor at every step. A time-major (T, B) `mask` keeps
   an example's states at its masked steps and outputs its previous output there (or zeros), as
@@ -95,13 +103,15 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
 
     def again(a):
       written.append(a)
-      return tf.matmul(a, second_kernel) + second_probe.read(t)
+      return product(a, second_kernel) + second_probe.read(t)
 
-    z = tf.matmul(h, recurrent_kernel) + probe.read(t)
+    z = product(h, recurrent_kernel) + probe.read(t)
     args = (z, list(states), None if sequence is None else sequence.read(t))
     out, new_states = cell(*args, again) if second_probe is not None else cell(*args)
     if mask is not None:
-      keep = tf.expand_dims(mask.read(t), 1)
+      keep = mask.read(t)
+      for _ in range(out.shape.rank - 1):  # (B,) against (B, ·).
+        keep = tf.expand_dims(keep, -1)
       out = tf.where(keep, out, tf.zeros_like(out) if zero_output_for_mask else previous)
       new_states = [tf.where(keep, new, old) for new, old in zip(new_states, states)]
     inputs = tuple(rows_of.write(t, a) for rows_of, a in zip(inputs, written))
@@ -112,11 +122,12 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
       (tf.constant(0), lists(), tuple(lists() for _ in range(1 + (second_probe is not None))),
        tf.zeros_like(states[0]), *states),
       maximum_iterations=steps)
-  return last, tf.transpose(outputs.stack(), [1, 0, 2]), states
+  return last, _time_major(outputs.stack()), states
 
 
 def _time_major(z: tf.Tensor) -> tf.Tensor:
-  return tf.transpose(z, [1, 0, 2])
+  """(B, T, ·) <-> (T, B, ·)."""
+  return tf.transpose(z, [1, 0, *range(2, z.shape.rank)])
 
 
 def _masking(mask: Optional[tf.Tensor], zero_output_for_mask: bool) -> dict:
@@ -125,21 +136,78 @@ def _masking(mask: Optional[tf.Tensor], zero_output_for_mask: bool) -> dict:
           "zero_output_for_mask": zero_output_for_mask}
 
 
-def lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
-         activation: Callable, recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
-         zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
-  """Keras' LSTM (gates i, f, c, o): (last output, outputs (B, T, H), [h, c])."""
+def _lstm_cell(activation: Callable, recurrent_activation: Callable) -> Callable:
+  """Keras' LSTM step from z = x·W + b + h·U (ConvLSTM's convolutions): gates i, f, c, o on the
+  last axis."""
 
   def cell(z, states, _):
     _, c = states
-    i, f, g, o = tf.split(z, 4, axis=1)
+    i, f, g, o = tf.split(z, 4, axis=-1)
     c = recurrent_activation(f) * c + recurrent_activation(i) * activation(g)
     h = recurrent_activation(o) * activation(c)
     return h, [h, c]
 
+  return cell
+
+
+def lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
+         activation: Callable, recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
+         zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' LSTM (gates i, f, c, o): (last output, outputs (B, T, H), [h, c])."""
   probe = _time_major(_project(x, kernel, bias))
-  return _loop(probe, [h0, c0], recurrent_kernel, cell,
+  return _loop(probe, [h0, c0], recurrent_kernel, _lstm_cell(activation, recurrent_activation),
                **_masking(mask, zero_output_for_mask))
+
+
+def _channels_last(t: tf.Tensor, lead: int, channels_first: bool, one_d: bool) -> tf.Tensor:
+  """Keras' (lead axes, [C,] *spatial[, C]) as channels last, 1-D data of height 1."""
+  if channels_first:
+    t = tf.transpose(t, [*range(lead), *range(lead + 1, t.shape.rank), lead])
+  return tf.expand_dims(t, lead) if one_d else t
+
+
+def _keras_layout(t: tf.Tensor, lead: int, channels_first: bool, one_d: bool) -> tf.Tensor:
+  """`_channels_last` undone."""
+  if one_d:
+    t = tf.squeeze(t, [lead])
+  if channels_first:
+    t = tf.transpose(t, [*range(lead), t.shape.rank - 1, *range(lead, t.shape.rank - 1)])
+  return t
+
+
+def _same_conv(h: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+  """Keras' `recurrent_conv`: unit strides and dilations, SAME padding (one Conv2D or Conv3D)."""
+  return tf.nn.convolution(h, kernel, padding="SAME")
+
+
+def conv_lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
+              activation: Callable, recurrent_activation: Callable, strides: tuple[int, ...],
+              padding: str, dilations: tuple[int, ...], channels_first: bool = False,
+              mask: Optional[tf.Tensor] = None, zero_output_for_mask: bool = False
+              ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' ConvLSTM1D/2D/3D cell (gates i, f, c, o on the channels) over x (B, T, *spatial, C),
+  or (B, T, C, *spatial) `channels_first`: (last output, outputs (B, T, ·), [h, c]).
+
+  Computed channels last, a 1-D one as a 2-D one of height 1 (its kernels expanded outside the
+  loop): the input conv of all B·T frames at once, plus the bias, is the probe; the recurrent conv
+  of h_{t-1} (Keras' `recurrent_conv`) is the loop's product (the "loop_conv" rule).
+  """
+  one_d = x.shape.rank == 4
+  layout = lambda t, lead: _channels_last(t, lead, channels_first, one_d)
+  x, h0, c0 = layout(x, 2), layout(h0, 1), layout(c0, 1)
+  if one_d:
+    kernel, recurrent_kernel = tf.expand_dims(kernel, 0), tf.expand_dims(recurrent_kernel, 0)
+    strides, dilations = (1, *strides), (1, *dilations)
+  z = tf.nn.convolution(tf.reshape(x, [-1, *x.shape[2:]]), kernel, strides, padding.upper(),
+                        dilations=dilations)
+  z = tf.reshape(z, [tf.shape(x)[0], x.shape[1] or tf.shape(x)[1], *z.shape[1:]])
+  if bias is not None:
+    z += bias
+  last, outputs, states = _loop(_time_major(z), [h0, c0], recurrent_kernel,
+                                _lstm_cell(activation, recurrent_activation),
+                                product=_same_conv, **_masking(mask, zero_output_for_mask))
+  back = lambda t, lead: _keras_layout(t, lead, channels_first, one_d)
+  return back(last, 1), back(outputs, 2), [back(s, 1) for s in states]
 
 
 def simple_rnn(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias,

@@ -520,6 +520,7 @@ RULES: dict[str, Rule] = {
     "blocked_conv2d": Rule(conv_rules.match_blocked_conv2d, conv_rules.blocked_conv2d_factor),
     # A looped RNN's recurrent kernel (`recurrence.py` writes the loops it proves).
     "loop_matmul": Rule(loop_rules.loop_matmul_use, loop_rules.loop_matmul_factor, proves=True),
+    "loop_conv": Rule(loop_rules.loop_conv_use, loop_rules.loop_conv_factor, proves=True),
     # A factor of a low-rank weight W + s·A·B (LoRA), through the rule of the weight's use.
     "low_rank": Rule(_low_rank_use, _low_rank_factor, proves=True),
 }

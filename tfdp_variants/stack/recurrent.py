@@ -1,22 +1,29 @@
 """Looped RNN layers of a DP model, computed so that their weights have per-example rules.
 
-In a graph, the loop of an LSTM, GRU or SimpleRNN layer that `recurrence.enable` reached (`fit` of
-a DP model does) is `per_example.recurrence`'s (the input projection hoisted out of the loop, the
-recurrent product proven by the "loop_matmul" rule) instead of Keras' cell loop: the same values,
-term for term, masks included. Any other configuration keeps Keras' own loop, whose weights take
-the exact fallback: `unroll`, dropout or recurrent dropout in training, a subclassed cell, eager
-execution.
+In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer that `recurrence.enable`
+reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input projection hoisted out
+of the loop, the recurrent product proven by the "loop_matmul" or "loop_conv" rule) instead of
+Keras' cell loop: the same values, masks included. Any other configuration keeps Keras' own loop,
+whose weights take the exact fallback: `unroll`, dropout or recurrent dropout in training, a
+subclassed cell, Keras 2's "causal" ConvLSTM1D, eager execution.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable, Optional
 
 import tensorflow as tf
 
 from tfdp_variants.per_example import recurrence
+from tfdp_variants.stack.version import KERAS_3
 from tfdp_variants.stack.version import keras
+
+_CONV_LSTMS = (keras.layers.ConvLSTM1D, keras.layers.ConvLSTM2D, keras.layers.ConvLSTM3D)
+# Keras' ConvLSTM cell, defined next to the layers' base class (not exported by Keras 3).
+_CONV_LSTM_CELL = sys.modules[_CONV_LSTMS[1].__mro__[1].__module__].ConvLSTMCell
+
 
 def _value(v, dtype: tf.DType) -> Optional[tf.Tensor]:
   """A read of a Keras variable, outside any loop, in the layer's compute dtype."""
@@ -36,7 +43,10 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   x, mask = sequences, (masks[0] if masks else None)
   if layer.go_backwards:  # Keras reverses the time, the mask's too.
     x, mask = tf.reverse(x, [1]), (None if mask is None else tf.reverse(mask, [1]))
-  masking = {"mask": mask, "zero_output_for_mask": bool(layer.zero_output_for_mask)}
+  conv = type(cell) is _CONV_LSTM_CELL
+  # Keras 2's ConvRNN runs its loop without `zero_output_for_mask`: False.
+  masking = {"mask": mask,
+             "zero_output_for_mask": bool(layer.zero_output_for_mask) and (KERAS_3 or not conv)}
   states = [tf.cast(s, dtype) for s in tf.nest.flatten(initial_state)]
   kernel, recurrent_kernel = _value(cell.kernel, dtype), _value(cell.recurrent_kernel, dtype)
   bias = _value(cell.bias, dtype) if cell.use_bias else None
@@ -50,6 +60,11 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1:
     return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
                                  **masking)
+  if conv and len(states) == 2 and cell.padding in ("same", "valid"):
+    return recurrence.conv_lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
+                                cell.recurrent_activation, cell.strides, cell.padding,
+                                cell.dilation_rate, cell.data_format == "channels_first",
+                                **masking)
   return None
 
 
@@ -63,19 +78,19 @@ def _inner_loop(keras_inner_loop: Callable) -> Callable:
   return inner_loop
 
 
-_LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN)
+_LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN, *_CONV_LSTMS)
 
 
 def install_keras3(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 3: wraps the looped layers' `inner_loop` (SimpleRNN's is RNN's own)."""
+  """Keras 3: wraps the looped layers' `inner_loop` (SimpleRNN's and ConvLSTM's are RNN's own)."""
   for layer in _LAYERS:
     patch(layer, "inner_loop", _inner_loop(layer.inner_loop))
 
 
 def _call(keras_call: Callable) -> Callable:
-  """Keras 2's `call` of LSTM, GRU and SimpleRNN (each runs its own loop from `call`): ours where
-  `per_example_loop` applies to a plain call (dense batch-major input, not stateful, no runtime
-  output); Keras' otherwise."""
+  """Keras 2's `call` of LSTM, GRU, SimpleRNN and ConvLSTM (each runs its own loop from `call`):
+  ours where `per_example_loop` applies to a plain call (dense batch-major input, not stateful, no
+  runtime output); Keras' otherwise."""
 
   @functools.wraps(keras_call)
   def call(self, inputs, mask=None, training=None, initial_state=None):
