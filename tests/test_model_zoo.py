@@ -183,6 +183,14 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                        L.Dense(2)), _floats(B, 4, 3),
                           ["outer", "outer", *DENSE]),
     # GRU's reset gate before its candidate's recurrent product: two proven products of U a step.
+    "rnn_of_lstm_cell": (lambda: _seq((4, 3), L.RNN(L.LSTMCell(3)), L.Dense(2)), _floats(B, 4, 3),
+                         RNN + DENSE),
+    "bidirectional_rnn_of_cells": (lambda: _seq((4, 3), L.Bidirectional(
+        L.RNN(L.GRUCell(2), return_sequences=True)), L.RNN(L.SimpleRNNCell(2)), L.Dense(2)),
+                                   _floats(B, 4, 3), RNN * 3 + DENSE),
+    "rnn_of_stacked_cells": (lambda: _seq((4, 3), L.RNN([L.LSTMCell(2), L.GRUCell(2)]),
+                                          L.Dense(2)), _floats(B, 4, 3),
+                             ["fallback"] * 6 + DENSE),
     "gru_reset_before": (lambda: _seq((4, 3), L.GRU(3, reset_after=False), L.Dense(2)),
                          _floats(B, 4, 3), RNN + DENSE),
     # Masked steps keep the states: ids 0 are masked, in the middle and at the end.
@@ -381,7 +389,8 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
-       "conv_lstm2d_same_sequences", *(["dense_lora"] if "dense_lora" in ZOO else [])]
+       "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells",
+       *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 
 def _build(name):

@@ -1,11 +1,11 @@
 """Looped RNN layers of a DP model, computed so that their weights have per-example rules.
 
-In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer that `recurrence.enable`
-reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input projection hoisted out
+In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer, or of an `RNN` of one
+of their cells (LSTMCell, GRUCell, SimpleRNNCell), that `recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input projection hoisted out
 of the loop, the recurrent product proven by the "loop_matmul" or "loop_conv" rule) instead of
 Keras' cell loop: the same values, masks included. Any other configuration keeps Keras' own loop,
 whose weights take the exact fallback: `unroll`, dropout or recurrent dropout in training, a
-subclassed cell, Keras 2's "causal" ConvLSTM1D, eager execution.
+subclassed cell, stacked cells, constants, Keras 2's "causal" ConvLSTM1D, eager execution.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ _CONV_LSTMS = (keras.layers.ConvLSTM1D, keras.layers.ConvLSTM2D, keras.layers.Co
 _CONV_LSTM_CELL = sys.modules[_CONV_LSTMS[1].__mro__[1].__module__].ConvLSTMCell
 
 
+# The cells whose loops `recurrence` writes (subclasses excluded: they may compute otherwise).
+_CELLS = (keras.layers.LSTMCell, keras.layers.GRUCell, keras.layers.SimpleRNNCell, _CONV_LSTM_CELL)
+
+
 def _value(v, dtype: tf.DType) -> Optional[tf.Tensor]:
   """A read of a Keras variable, outside any loop, in the layer's compute dtype."""
   return None if v is None else tf.cast(tf.convert_to_tensor(v), dtype)
@@ -35,7 +39,8 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   """(last output, outputs, states) of `layer` by `recurrence`, or None where Keras' loop runs."""
   cell = layer.cell
   masks = [m for m in tf.nest.flatten(mask) if m is not None]
-  if (not recurrence.enabled(layer) or not tf.inside_function() or layer.unroll
+  if (type(cell) not in _CELLS or not recurrence.enabled(layer) or not tf.inside_function()
+      or layer.unroll
       or len(masks) > 1 or (masks and masks[0].shape.rank != 2)
       or (training and (getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0)))):
     return None
@@ -78,30 +83,36 @@ def _inner_loop(keras_inner_loop: Callable) -> Callable:
   return inner_loop
 
 
-_LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN, *_CONV_LSTMS)
+# RNN last: `RNN(LSTMCell(...))` and the like (its subclasses above wrap what they inherit first).
+_LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN, *_CONV_LSTMS,
+           keras.layers.RNN)
 
 
 def install_keras3(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 3: wraps the looped layers' `inner_loop` (SimpleRNN's and ConvLSTM's are RNN's own)."""
+  """Keras 3: wraps the looped layers' `inner_loop` (SimpleRNN's and ConvLSTM's are RNN's own;
+  RNN's serves a plain `RNN` of a built-in cell)."""
   for layer in _LAYERS:
     patch(layer, "inner_loop", _inner_loop(layer.inner_loop))
 
 
 def _call(keras_call: Callable) -> Callable:
-  """Keras 2's `call` of LSTM, GRU, SimpleRNN and ConvLSTM (each runs its own loop from `call`):
-  ours where `per_example_loop` applies to a plain call (dense batch-major input, not stateful, no
-  runtime output); Keras' otherwise."""
+  """Keras 2's `call` of LSTM, GRU, SimpleRNN, ConvLSTM and RNN (each runs its own loop from
+  `call`): ours where `per_example_loop` applies to a plain call (dense batch-major input, not
+  stateful, no runtime output, no constants); Keras' otherwise."""
 
   @functools.wraps(keras_call)
-  def call(self, inputs, mask=None, training=None, initial_state=None):
+  def call(self, inputs, mask=None, training=None, initial_state=None, **kwargs):
+    keras_loop = lambda: keras_call(self, inputs, mask=mask, training=training,
+                                    initial_state=initial_state, **kwargs)
     if (isinstance(inputs, (list, tuple)) or not isinstance(inputs, tf.Tensor)
-        or self.stateful or self.time_major or getattr(self, "return_runtime", False)):
-      return keras_call(self, inputs, mask=mask, training=training, initial_state=initial_state)
+        or kwargs.get("constants") is not None or self.stateful or self.time_major
+        or getattr(self, "return_runtime", False)):
+      return keras_loop()
     sequences, states, _ = self._process_inputs(inputs, initial_state, None)  # pylint: disable=protected-access
     ours = per_example_loop(self, sequences, states, mask,  # Dropout: training unless False.
                             training if isinstance(training, bool) else True)
     if ours is None:
-      return keras_call(self, inputs, mask=mask, training=training, initial_state=initial_state)
+      return keras_loop()
     last, outputs, states = ours
     output = outputs if self.return_sequences else last
     return [output, *states] if self.return_state else output
