@@ -72,6 +72,19 @@ def test_noiseless_step_is_mean_of_filtered_gradients():
   np.testing.assert_allclose(b0 - b1, (c * np.tanh(gb / k)).mean(0), rtol=1e-5, atol=1e-6)
 
 
+def test_default_chunks_hold_about_chunk_entries(monkeypatch):
+  """chunk_size=None: chunks of CHUNK_ENTRIES // P microbatches (3 of the linear model's 8
+  parameters when it is 24: a ragged last chunk), the same step as one chunk of all."""
+  from tfdp_variants.per_example import gradients
+  monkeypatch.setattr(gradients, "CHUNK_ENTRIES", 24)
+  assert gradients.default_chunk_size(_linear().trainable_variables) == 3
+  assert gradients.default_chunk_size([tf.Variable(tf.zeros([5, 6]))]) == 1
+  _, _, w1, b1 = _sgd_step(_cls()(1.0, 0.0, output_range=2.0, learning_rate=1.0))
+  _, _, w2, b2 = _sgd_step(_cls()(1.0, 0.0, output_range=2.0, chunk_size=B, learning_rate=1.0))
+  np.testing.assert_allclose(w1, w2, rtol=1e-5, atol=1e-6)  # Summed in another order.
+  np.testing.assert_allclose(b1, b2, rtol=1e-5, atol=1e-6)
+
+
 def test_noise_has_no_clip_factor(monkeypatch):
   """A fixed draw z: ĝ = (1/M)(Σ_i f(g_i) + σ z), M = 2 microbatches; C (= 5) plays no part."""
   sigma, m = 0.7, 2

@@ -62,12 +62,13 @@ def is_finite_real(value) -> bool:
           and math.isfinite(value))
 
 
-def check_chunk_size(chunk_size: int) -> None:
-  """Raises ValueError unless `chunk_size` (microbatch gradients materialized at a time) is a
-  positive int (not a bool)."""
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; smaller uses "
-                     "less memory, larger is faster.")
+def check_chunk_size(chunk_size: Optional[int]) -> None:
+  """Raises ValueError unless `chunk_size` (microbatch gradients materialized at a time) is None
+  (sized to memory) or a positive int (not a bool)."""
+  if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                 or chunk_size < 1):
+    raise ValueError(f"chunk_size must be None (chunks of about 8M entries) or a positive int, "
+                     f"got {chunk_size!r}; smaller uses less memory.")
 
 
 def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:

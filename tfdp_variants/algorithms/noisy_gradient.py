@@ -71,7 +71,8 @@ class NoisyGradient(base.Algorithm):
       P + O(M²) normals, see the module docstring) or "direct" (Algorithm 1 literally, one
       full-size Gaussian per microbatch).
     chunk_size: "direct" materializes the noised g̃_i of this many microbatches at a time; memory
-      grows with chunk_size × parameters (32 on the paper CNN: about 0.4 GB per copy of the chunk).
+      grows with chunk_size × parameters. None (default): as many as hold about 8M entries
+      (2 on the paper CNN's 3.27M parameters).
   """
 
   name = "noisy_gradient"
@@ -80,7 +81,7 @@ class NoisyGradient(base.Algorithm):
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                order: str = "noise_then_clip", noise_sampling: str = "projected",
-               chunk_size: int = 32):
+               chunk_size: Optional[int] = None):
     super().__init__(l2_norm_clip, noise_multiplier)
     if noise_sampling not in NOISE_SAMPLINGS:
       raise ValueError(f"noise_sampling must be one of {NOISE_SAMPLINGS}, got "

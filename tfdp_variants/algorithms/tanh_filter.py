@@ -45,7 +45,8 @@ class TanhFilter(base.Algorithm):
     output_range: c, the filter's output lies in (−c, c) (Section IV, Figs. 2-3).
     active_range: k, the expansion of tanh's active range (Section IV, Figs. 4-5).
     certified: also clip each filtered gradient to norm C and add N(0, σ²C² I).
-    chunk_size: microbatch gradients materialized at a time (memory against speed).
+    chunk_size: microbatch gradients materialized at a time; None (default): as many as hold
+      about 8M entries (`PerExampleGradients.reduce_chunks`).
   """
 
   name = "tanh_filter"
@@ -53,7 +54,7 @@ class TanhFilter(base.Algorithm):
   privacy_guarantee = "none"
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, output_range: float = 1.0,
-               active_range: float = 1.0, certified: bool = False, chunk_size: int = 32):
+               active_range: float = 1.0, certified: bool = False, chunk_size: Optional[int] = None):
     super().__init__(l2_norm_clip, noise_multiplier)
     for option, value in (("output_range", output_range), ("active_range", active_range)):
       if not (isinstance(value, (int, float)) and 0 < value < math.inf):

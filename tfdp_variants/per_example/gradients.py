@@ -10,6 +10,15 @@ import tensorflow as tf
 from tfdp_variants.per_example import factors as F
 
 Weights = tf.Tensor | Sequence[tf.Tensor]
+# Entries of a default chunk of materialized g_m (`reduce_chunks`): 32 MiB of float32. Measured on
+# 2 CPU cores (BUILD_NOTES.md, fifth pass), the tanh filter ran as fast or faster with chunks of
+# 4-8M entries than of 25-105M, at a half to a third of the peak memory.
+CHUNK_ENTRIES = 2**23
+
+
+def default_chunk_size(variables: Sequence[tf.Variable]) -> int:
+  """The number of g_m whose entries make about `CHUNK_ENTRIES` (at least one)."""
+  return max(1, CHUNK_ENTRIES // sum(v.shape.num_elements() for v in variables))
 
 
 class PerExampleGradients:
@@ -76,12 +85,14 @@ class PerExampleGradients:
     return [f.materialize(start, stop) for f in self.factors]
 
   def reduce_chunks(self, fn: Callable[[list[tf.Tensor]], list[tf.Tensor]],
-                    chunk_size: int = 32) -> list[tf.Tensor]:
+                    chunk_size: Optional[int] = None) -> list[tf.Tensor]:
     """Σ over chunks of `fn(materialized chunk)`, holding at most `chunk_size` g_m at a time.
 
     `fn` maps a list of (c, *var.shape) tensors to a list of var-shaped sums; use it when an
-    algorithm needs the gradients elementwise (noise before clipping, a tanh filter).
+    algorithm needs the gradients elementwise (noise before clipping, a tanh filter). By default
+    a chunk holds about `CHUNK_ENTRIES` entries (at least one g_m).
     """
+    chunk_size = chunk_size or default_chunk_size(self.variables)
     m = tf.cast(self.num_microbatches, tf.int32)
     init = [tf.zeros(v.shape, v.dtype) for v in self.variables]
 
