@@ -77,11 +77,6 @@ def _live_ops(loop: tf.Operation, body: tf.Graph, cond: tf.Graph,
     live |= reached
 
 
-def _only_use(t: tf.Tensor, live: set[tf.Operation]) -> Optional[tf.Operation]:
-  uses = [c for c in t.consumers() if c in live]
-  return uses[0] if len(uses) == 1 else None
-
-
 def _invariant(body: tf.Graph, t: tf.Tensor) -> Optional[int]:
   """The loop-variable index of body input `t` if the body passes it through unchanged."""
   for i, p in enumerate(body.inputs):
@@ -150,24 +145,24 @@ def _loop_product_use(loop: tf.Operation, var_input: tf.Tensor, forward: set[tf.
     return None
   live = _live_ops(loop, body, cond, forward)
   u = body.inputs[k[0]]
-  product = _only_use(u, live)
+  product = trace.only_use(u, live)
   rank = None if product is None else product_rank(product)  # Checks the op type first.
   if (_invariant(body, u) is None or rank is None or product.inputs[1] is not u
       or product.inputs[0] is u):
     return None
   a, r = product.inputs[0], product.outputs[0]
-  add = _only_use(r, live)
+  add = trace.only_use(r, live)
   if add is None or add.type not in ("AddV2", "Add") or sum(x is r for x in add.inputs) != 1:
     return None
   row = add.inputs[1] if add.inputs[0] is r else add.inputs[0]
   read = row.op
-  if (read.type != "TensorListGetItem" or _only_use(row, live) is not add
+  if (read.type != "TensorListGetItem" or trace.only_use(row, live) is not add
       or row.shape.rank != rank or r.shape.rank != rank or a.shape.rank != rank
       or not row.shape.is_compatible_with(r.shape) or row.shape[-1] is None):
     return None
   rows, t = read.inputs[0], read.inputs[1]
   kq = _invariant(body, rows)
-  if kq is None or _only_use(rows, live) is not read or not _counter(loop, body, t):
+  if kq is None or trace.only_use(rows, live) is not read or not _counter(loop, body, t):
     return None
   kl = _written_row(body, a, t)
   unstacked = loop.inputs[kq]

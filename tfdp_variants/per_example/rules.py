@@ -387,11 +387,6 @@ def _is_weight(t: tf.Tensor) -> bool:
   return t.op.type in ("ReadVariableOp", "Const")
 
 
-def _only_use(t: tf.Tensor, forward: set[tf.Operation]) -> Optional[tf.Operation]:
-  uses = [c for c in t.consumers() if c in forward]
-  return uses[0] if len(uses) == 1 else None
-
-
 @dataclasses.dataclass(frozen=True)
 class _LowRank:
   """A product P = A·B of two weights, (N, r)·(r, O), that reaches one rule-bearing use `inner` (a
@@ -431,7 +426,7 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
     return None
   t, scale, steps = op.outputs[0], 1.0, set()
   while True:
-    use = _only_use(t, forward)
+    use = trace.only_use(t, forward)
     if use is None:
       return None
     others = [x for x in use.inputs if x is not t]

@@ -121,6 +121,12 @@ def same(a: tf.Tensor, b: tf.Tensor) -> bool:
   return a.name == b.name
 
 
+def only_use(t: tf.Tensor, ops: set[tf.Operation]) -> Optional[tf.Operation]:
+  """The one op among `ops` that reads `t` (None if none or several do)."""
+  uses = [c for c in t.consumers() if c in ops]
+  return uses[0] if len(uses) == 1 else None
+
+
 def skip_identity(t: tf.Tensor) -> tf.Tensor:
   """`t` before the Identity ops that copy it."""
   while t.op.type == "Identity":
