@@ -102,6 +102,67 @@ def test_factors_norms_are_float64_and_never_nan():
   np.testing.assert_allclose(ghost.squared_norms().numpy(), [1e20 + 4e20], rtol=1e-5)
 
 
+def test_norms_summed_in_float32_take_float64_where_float32_cannot_hold_the_sum():
+  # Rows: ordinary, zero, a sum beyond float32 (entries 1e20), squares that float32 flushes to
+  # zero (1e-22), NaN.
+  rows = np.array([[3.0, 4.0], [0.0, 0.0], [1e20, 1e20], [1e-22, 2e-22], [np.nan, 1.0]],
+                  np.float32)
+  want = np.sum(np.square(rows.astype(np.float64)), axis=1)
+  want[4] = np.inf
+
+  variable = tf.Variable(tf.zeros(2))
+
+  @tf.function
+  def norms(g):
+    grads = per_example.PerExampleGradients([variable], [per_example.factors.Dense(g)],
+                                            tf.shape(g)[0])
+    return grads.squared_norms()[0]
+
+  for picked in ([0, 1], [0, 2], [0, 3], [4], [0, 1, 2, 3, 4]):
+    np.testing.assert_allclose(norms(tf.constant(rows[picked])).numpy(), want[picked], rtol=1e-6)
+
+  # ‖a dᵀ‖² = ‖a‖²‖d‖² with a's squares flushed to zero in float32 and d's near float32's limit:
+  # 1.6e-3, not 0 (which would leave the example unclipped).
+  kernel = tf.Variable(tf.zeros((4, 4)))
+
+  @tf.function
+  def outer_norms(a, d):
+    grads = per_example.PerExampleGradients([kernel], [per_example.factors.Outer(a, d, (4, 4))],
+                                            tf.shape(a)[0])
+    return grads.squared_norms()[0]
+
+  a, d = np.full((2, 1, 4), 1e-20, np.float32), np.full((2, 1, 4), 1e18, np.float32)
+  a[1], d[1] = 1.0, 2.0
+  np.testing.assert_allclose(outer_norms(a, d).numpy(), [1.6e-3, 64.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_weighted_sum_is_the_same_whether_or_not_a_step_masks(poisoned):
+  # The weighted sum reads the unmasked factors when every row is finite and the masked ones
+  # otherwise: the finite rows' sum is the same either way, materialized or factored.
+  a = np.arange(24, dtype=np.float32).reshape(4, 3, 2) / 10
+  d = np.arange(12, dtype=np.float32).reshape(4, 3, 1) / 10 - 0.5
+  if poisoned:
+    a[2, 1, 0] = np.inf
+
+  variables = [tf.Variable(tf.zeros((2, 1))) for _ in range(2)]
+
+  @tf.function
+  def summed(a, d):
+    factors = [per_example.factors.Outer(a, d, (2, 1)),
+               per_example.factors.Outer(a[:, :1], d[:, :1], (2, 1))]
+    grads = per_example.PerExampleGradients(variables, factors, 4).finite_only()
+    return grads.weighted_sum(tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64)), grads.all_finite
+
+  (full, first), all_finite = summed(tf.constant(a), tf.constant(d))
+  assert bool(all_finite) is not poisoned
+  kept = [0, 1, 3] if poisoned else [0, 1, 2, 3]
+  w = np.array([1.0, 2.0, 3.0, 4.0])[kept]
+  np.testing.assert_allclose(full, np.einsum("m,mtk,mto->ko", w, a[kept], d[kept]), rtol=1e-6)
+  np.testing.assert_allclose(first, np.einsum("m,mk,mo->ko", w, a[kept, 0], d[kept, 0]),
+                             rtol=1e-6)
+
+
 def test_empty_first_poisson_batch_is_a_noise_only_step():
   """A Poisson batch may be empty, the first one too: the step adds the noise alone, over the
   expected batch size, with the self-check on and no error."""

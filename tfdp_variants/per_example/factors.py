@@ -22,7 +22,10 @@ Numerics (BUILD_NOTES, "The only output that depends on the data"): squared norm
 never overflow for a finite float32 gradient (‖a‖²·‖d‖² of an input 1e30 and an output gradient
 1e-19 is 1e22, not inf·0); products of Gram matrices are formed from rows scaled by their largest
 entry. A row that holds inf or NaN has squared norm +inf, never NaN, so no clip factor is NaN
-(XLA compiles min(1, NaN) to 1).
+(XLA compiles min(1, NaN) to 1). `squared_norms(exact=False)` sums float32 rows in float32 (a
+third of the passes of a float64 cast) and gives +inf for each row whose sum float32 may not hold
+to its rounding (overflow, NaN, squares flushed to zero, a zero row); `PerExampleGradients.
+squared_norms` takes the float64 sum for those rows.
 """
 
 from __future__ import annotations
@@ -44,13 +47,37 @@ def _nan_to_inf(x: tf.Tensor) -> tf.Tensor:
   return tf.where(tf.math.is_nan(x), tf.constant(float("inf"), x.dtype), x)
 
 
-def _sum_sq(x: tf.Tensor) -> tf.Tensor:
-  """(M,) float64 sums of squares over all axes but the first (+inf for a non-finite row)."""
-  flat = tf.reshape(tf.cast(x, tf.float64), [tf.shape(x)[0], -1])
-  if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-    return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))  # XLA fuses the two.
-  # One pass over the float64 rows (XLA has no EuclideanNorm), squared on the (M,) vector.
-  return _nan_to_inf(tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))
+# TF flushes subnormal float32 results to zero, so squares of entries below 2⁻⁶³ are lost: at most
+# N·2⁻¹²⁶ of a row of N entries, under float32's rounding (2⁻²⁴ relatively) once the row's norm is
+# at least √N·2⁻⁵¹. Smaller norms, zero included, take the float64 sum.
+_FLUSH_BOUND = 2.0**-51
+
+
+def in_xla() -> bool:
+  """Whether the graph being built is compiled by XLA (no public API says so)."""
+  return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _sum_sq(x: tf.Tensor, exact: bool = True) -> tf.Tensor:
+  """(M,) float64 sums of squares over all axes but the first (+inf for a non-finite row).
+
+  With `exact=False`, a float32 `x` is summed in float32, and a row whose sum float32 may not hold
+  to its rounding (overflow, NaN, a norm under √N·2⁻⁵¹) is +inf: the caller takes the exact sum.
+  """
+  m = tf.shape(x)[0]
+  if exact or x.dtype != tf.float32 or in_xla():
+    flat = tf.reshape(tf.cast(x, tf.float64), [m, -1])
+    if in_xla():
+      return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))  # XLA fuses the two.
+    # One pass over the float64 rows (XLA has no EuclideanNorm), squared on the (M,) vector.
+    return _nan_to_inf(tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))
+  flat = tf.reshape(x, [m, -1])
+  norm = tf.math.reduce_euclidean_norm(flat, axis=1)
+  width = flat.shape[1] if flat.shape[1] is not None else tf.shape(flat)[1]
+  smallest = tf.sqrt(tf.cast(width, tf.float32)) * _FLUSH_BOUND
+  held = tf.logical_and(tf.math.is_finite(norm), norm >= smallest)
+  return tf.where(held, tf.square(tf.cast(norm, tf.float64)),
+                  tf.constant(float("inf"), tf.float64))
 
 
 def _row_scaled(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -147,10 +174,13 @@ class Outer:
     return tf.concat([tf.matmul(b[start:stop], d, transpose_a=True) for b in self.blocks], 1)
 
   def _full(self) -> tf.Tensor:
+    """The materialized g_m, rows not kept zero. The product is cached unmasked, so a masked
+    factor builds its mask only where a form reads it (`PerExampleGradients.weighted_sum` reads
+    it only in the branch of a step with a non-finite g_m)."""
     # Cached per graph: a value computed inside a tf.cond branch cannot be used outside it.
     if self._cached() is None:
-      self._materialized = _rows(self._product(), self.keep)
-    return self._materialized
+      self._materialized = self._product()
+    return _rows(self._materialized, self.keep)
 
   def _cached(self) -> Optional[tf.Tensor]:
     """The materialized form, if this graph or one enclosing it (whose tensors it can capture)
@@ -163,27 +193,26 @@ class Outer:
       graph = getattr(graph, "outer_graph", None)
     return None if graph is None else m
 
-  def squared_norms(self) -> tf.Tensor:
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
     if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²
-      return _nan_to_inf(_sum_sq(self._rows_a()) * _sum_sq(self._rows_d()))
+      return _nan_to_inf(_sum_sq(self._rows_a(), exact) * _sum_sq(self._rows_d(), exact))
     if self._prefers_materialized():
-      return _sum_sq(self._full())
+      return _sum_sq(self._full(), exact)
     # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s), a_t·a_s summed over blocks.
     scaled, scale_a = _rows_scaled([_rows(b, self.keep) for b in self.blocks or [self.a]])
     gram_a = tf.add_n([tf.matmul(b, b, transpose_b=True) for b in scaled])
     return _ghost(gram_a, scale_a, self._rows_d())
 
   def masked(self, keep: tf.Tensor) -> "Outer":
-    full = self._cached()  # Materialized for the norms: the weighted sum reuses it.
     if self.keep is not None:
       keep = tf.logical_and(keep, self.keep)
-    return Outer(self.a, self.d, self.shape, None if full is None else _rows(full, keep), keep,
-                 self.blocks)
+    # Materialized for the norms: the weighted sum reuses the product.
+    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     if self._cached() is not None:
-      return tf.reshape(tf.tensordot(_weights(w, self._materialized), self._materialized, 1),
-                        self.shape)
+      full = self._full()
+      return tf.reshape(tf.tensordot(_weights(w, full), full, 1), self.shape)
     d = _weighted_rows(self.d, w, self.keep)
     if self.blocks is None:
       return tf.reshape(_matmul_rows(self._rows_a(), d), self.shape)
@@ -200,14 +229,13 @@ class Outer:
   def dots(self, x: tf.Tensor) -> tf.Tensor:
     x = tf.reshape(x, [self.a.shape[2], self.d.shape[2]])
     if self._cached() is not None:
-      return tf.einsum("mko,ko->m", self._materialized, x)
+      return tf.einsum("mko,ko->m", self._full(), x)
     return tf.einsum("mtk,ko,mto->m", self._rows_a(), x, self._rows_d())
 
   def materialize(self, start, stop) -> tf.Tensor:
-    if self._cached() is not None:
-      g = self._materialized[start:stop]
-    else:
-      g = _rows(self._product(start, stop), None if self.keep is None else self.keep[start:stop])
+    keep = None if self.keep is None else self.keep[start:stop]
+    cached = self._cached()
+    g = _rows(self._product(start, stop) if cached is None else cached[start:stop], keep)
     return tf.reshape(g, (-1, *self.shape))
 
 
@@ -221,8 +249,8 @@ class RowSum:
 
   rule = "rowsum"
 
-  def squared_norms(self) -> tf.Tensor:
-    return _sum_sq(self.g)
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
+    return _sum_sq(self.g, exact)
 
   def masked(self, keep: tf.Tensor) -> "RowSum":
     return RowSum(_rows(self.g, keep), self.shape)
@@ -304,7 +332,8 @@ class Gather:
   def _width(self) -> int:
     return self.d.shape[-1]
 
-  def squared_norms(self) -> tf.Tensor:
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
+    del exact  # Rows scaled by their largest entry: exact in any case.
     same_row = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.d.dtype)
     return _ghost(same_row, tf.ones([], tf.float64), self._rows_d())
 
@@ -324,8 +353,7 @@ class Gather:
   def gram(self) -> tf.Tensor:
     """⟨g_m, g_n⟩ = Σ over table rows v of ⟨G_mv, G_nv⟩, G_mv the sum of m's rows with id v."""
     d = self._rows_d()
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-      # XLA compiles no dynamic shapes: every pair of rows, O(M²T²O).
+    if in_xla():  # XLA compiles no dynamic shapes: every pair of rows, O(M²T²O).
       same_row = tf.cast(tf.equal(self.ids[:, None, :, None], self.ids[None, :, None, :]),
                          d.dtype)
       return tf.reduce_sum(same_row * tf.einsum("mto,nso->mnts", d, d), axis=[2, 3])
@@ -358,8 +386,8 @@ class Columns:
   def _join(self, blocks: list[tf.Tensor]) -> tf.Tensor:
     return tf.concat([tf.reshape(b, [-1, *p.shape]) for b, p in zip(blocks, self.parts)], -1)
 
-  def squared_norms(self) -> tf.Tensor:
-    return tf.add_n([p.squared_norms() for p in self.parts])
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
+    return tf.add_n([p.squared_norms(exact) for p in self.parts])
 
   def masked(self, keep: tf.Tensor) -> "Columns":
     return Columns([p.masked(keep) for p in self.parts], self.shape)
@@ -403,10 +431,10 @@ class GroupedOuter:
     keep = None if self.keep is None else self.keep[start:stop]
     return _rows(tf.einsum("mtgk,mtgo->mkgo", self.a[start:stop], self.d[start:stop]), keep)
 
-  def squared_norms(self) -> tf.Tensor:
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
     t, g, k, o = self.a.shape[1:].as_list() + self.d.shape[3:].as_list()
     if g * k * o <= _MAX_MATERIALIZED_ELEMENTS and (t is None or k * o <= t * (k + o)):
-      return _sum_sq(self._full())
+      return _sum_sq(self._full(), exact)
     # Ghost norm per group: Σ_g Σ_{t,s} (a_tg·a_sg)(d_tg·d_sg), from rows scaled per example.
     (a, scale_a), (d, scale_d) = _row_scaled(self._rows_a()), _row_scaled(self._rows_d())
     products = tf.einsum("mtgk,msgk->mgts", a, a) * tf.einsum("mtgo,msgo->mgts", d, d)
@@ -442,8 +470,8 @@ class Dense:
 
   rule = "fallback"
 
-  def squared_norms(self) -> tf.Tensor:
-    return _sum_sq(self.g)
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
+    return _sum_sq(self.g, exact)
 
   def masked(self, keep: tf.Tensor) -> "Dense":
     return Dense(_rows(self.g, keep))

@@ -21,6 +21,18 @@ def default_chunk_size(variables: Sequence[tf.Variable]) -> int:
   return max(1, CHUNK_ENTRIES // sum(v.shape.num_elements() for v in variables))
 
 
+def _squared_norms(factors: Sequence[F.Factor]) -> list[tf.Tensor]:
+  """Each factor's (M,) float64 squared norms: summed in float32 where float32 holds every row's
+  sum (one pass over float32 rows), in float64 for the rows of a factor where it does not (a
+  row's result depends on its own values only; only such a step pays the float64 pass)."""
+  if not factors or F.in_xla():  # XLA fuses the float64 cast into the sum.
+    return [f.squared_norms() for f in factors]
+  fast = [f.squared_norms(exact=False) for f in factors]
+  held = [tf.math.is_finite(s) for s in fast]
+  return tf.cond(tf.reduce_all(tf.stack([tf.reduce_all(h) for h in held])), lambda: fast,
+                 lambda: [tf.where(h, s, f.squared_norms()) for f, s, h in zip(factors, fast, held)])
+
+
 class PerExampleGradients:
   """Per-microbatch gradients g_m of `variables`, m < num_microbatches, mostly kept factored.
 
@@ -30,13 +42,16 @@ class PerExampleGradients:
 
   def __init__(self, variables: Sequence[tf.Variable], factors: Sequence[F.Factor],
                num_microbatches: tf.Tensor, squared_norms: Optional[list[tf.Tensor]] = None,
-               all_finite: Optional[tf.Tensor] = None):
+               all_finite: Optional[tf.Tensor] = None,
+               unmasked: Optional[Sequence[F.Factor]] = None):
     self.variables = list(variables)
     self.factors = list(factors)
     self.num_microbatches = num_microbatches
     self.self_check_flag: Optional[tf.Variable] = None  # Set by `self_check.guard`.
     # Whether every g_m was finite before `finite_only` zeroed the others (else None).
     self.all_finite = all_finite
+    # The factors before `finite_only` masked them: the same values while `all_finite` holds.
+    self.unmasked = None if unmasked is None else list(unmasked)
     self._squared_norms = squared_norms
 
   @property
@@ -48,7 +63,7 @@ class PerExampleGradients:
     """||g_m^k||² for each variable k, each of shape (M,), in float64 (no overflow for any
     finite float32 gradient; +inf for a non-finite one, 0 after `finite_only`)."""
     if self._squared_norms is None:
-      self._squared_norms = [f.squared_norms() for f in self.factors]
+      self._squared_norms = _squared_norms(self.factors)
     return self._squared_norms
 
   def global_norms(self) -> tf.Tensor:
@@ -64,13 +79,18 @@ class PerExampleGradients:
     zero = tf.zeros([], tf.float64)
     return type(self)(self.variables, [f.masked(keep) for f in self.factors],
                       self.num_microbatches, [tf.where(keep, s, zero) for s in squared],
-                      tf.reduce_all(keep))
+                      tf.reduce_all(keep), self.factors)
 
   def weighted_sum(self, weights: Weights) -> list[tf.Tensor]:
     """Σ_m w_m g_m per variable; `weights` is one (M,) vector or one per variable."""
-    if isinstance(weights, (list, tuple)):
-      return [f.weighted_sum(w) for f, w in zip(self.factors, weights)]
-    return [f.weighted_sum(weights) for f in self.factors]
+    if not isinstance(weights, (list, tuple)):
+      weights = [weights] * len(self.factors)
+    sums = lambda factors: [f.weighted_sum(w) for f, w in zip(factors, weights)]
+    if self.unmasked is None or F.in_xla():  # XLA fuses the masks into the products.
+      return sums(self.factors)
+    # The masks zero the non-finite g_m only: while every g_m is finite they change no value, so
+    # only a step with a non-finite g_m pays their passes over the factors.
+    return tf.cond(self.all_finite, lambda: sums(self.unmasked), lambda: sums(self.factors))
 
   def gram(self) -> tf.Tensor:
     """(M, M) inner products ⟨g_m, g_n⟩ over all variables together."""

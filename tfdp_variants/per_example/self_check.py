@@ -170,8 +170,8 @@ class _Checked:
       return t + tf.where(tf.equal(self.status, _FAILED), tf.constant(np.nan, t.dtype),
                           tf.zeros([], t.dtype))
 
-  def squared_norms(self) -> tf.Tensor:
-    return self._after(self.factor.squared_norms())
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
+    return self._after(self.factor.squared_norms(exact))
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     return self._after(self.factor.weighted_sum(w))
@@ -370,6 +370,7 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
   factors = [_Checked(f, status, xla) for f in grads.factors]
   checked = type(grads)(grads.variables, factors, grads.num_microbatches,
                         [f._after(s) for f, s in zip(factors, grads.squared_norms())],
-                        grads.all_finite)
+                        grads.all_finite,
+                        grads.unmasked and [_Checked(f, status, xla) for f in grads.unmasked])
   checked.self_check_flag = flag
   return checked
