@@ -262,6 +262,19 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "conv3d_grouped": (lambda: _seq((4, 4, 4, 4), L.Conv3D(4, 2, groups=2), L.Flatten(),
                                     L.Dense(2)),
                        _floats(B, 4, 4, 4, 4), ["grouped", "rowsum", *DENSE]),
+    # Grouped and dilated: SpaceToBatchND, the conv, BatchToSpaceND, all inside the call.
+    "conv1d_grouped_dilated": (lambda: _seq((11, 4), L.Conv1D(4, 3, groups=2, dilation_rate=3,
+                                                              padding="causal"),
+                                            L.Flatten(), L.Dense(2)),
+                               _floats(B, 11, 4), ["grouped", "rowsum", *DENSE]),
+    "conv2d_grouped_dilated": (lambda: _seq((8, 9, 4), L.Conv2D(6, (2, 3), groups=2,
+                                                                dilation_rate=(2, 3),
+                                                                padding="same"),
+                                            L.Flatten(), L.Dense(2)),
+                               _floats(B, 8, 9, 4), ["grouped", "rowsum", *DENSE]),
+    "conv3d_grouped_dilated": (lambda: _seq((5, 5, 5, 4), L.Conv3D(4, 3, groups=2, dilation_rate=2),
+                                            L.Flatten(), L.Dense(2)),
+                               _floats(B, 5, 5, 5, 4), ["grouped", "rowsum", *DENSE]),
     "conv1d_transpose": (lambda: _seq((5, 2), L.Conv1DTranspose(3, 3, strides=2), L.Flatten(),
                                       L.Dense(2)),
                          _floats(B, 5, 2), DENSE * 2),
@@ -389,7 +402,7 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
-       "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells",
+       "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells", "conv2d_grouped_dilated",
        *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 

@@ -14,6 +14,8 @@ slices in the op's own padding, strides and dilations) and the gradient of its o
 * A Conv2D, DepthwiseConv2dNative or ungrouped Conv3D of a SpaceToBatchND (how TF dilates them):
   the data's axis 0 holds blocks of examples (`trace.Batch.block`), whose rows are regrouped by
   example.
+* A grouped conv dilated inside its call (`SpaceToBatchND` → conv → `BatchToSpaceND`,
+  `Blocked`): the dilated conv of the call's data, padded as the blocks were.
 
 A match needs channels-last data, SAME or VALID padding, static sizes that reproduce the op's own
 output size, and axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the
@@ -22,6 +24,7 @@ fallback.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Optional
@@ -75,6 +78,57 @@ def shifted(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[
     index = tuple(slice(st // s, st // s + n) for st, s, n in zip(starts, strides, outs))
     slices.append(x[(slice(None), *phases, *index)])
   return slices
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+  """`BatchToSpaceND(conv(SpaceToBatchND(x, block, paddings)), block, crops)` with a conv of unit
+  strides and dilations and VALID padding (how `tf.nn.convolution` dilates a conv inside a grouped
+  conv's call): position o of the result is Σ_j x'[o + block·j] W[j], x' = x padded by
+  `paddings` and cropped by `crops` along the blocked axes, i.e. the VALID conv of x' in
+  dilations `block`. `pads` are x's (before, after) per blocked axis, negative where cropped."""
+
+  block: tuple[int, ...]
+  pads: tuple[tuple[int, int], ...]
+
+  def padded(self, x: tf.Tensor, first: int = 1) -> tf.Tensor:
+    """`x` padded with zeros, or cropped, by `pads` on the axes from `first` on."""
+    axes = range(first, first + len(self.pads))
+    x = tf.pad(x, [list(map(lambda p: max(p, 0), self.pads[a - first])) if a in axes else [0, 0]
+                   for a in range(x.shape.rank)])
+    return x[tuple(slice(max(-self.pads[a - first][0], 0),
+                         x.shape[a] - max(-self.pads[a - first][1], 0)) if a in axes
+                   else slice(None) for a in range(x.shape.rank))]
+
+
+def blocked(out: tf.Tensor) -> Optional[tuple[tf.Operation, tf.Tensor]]:
+  """If `out` is a BatchToSpaceND of constant block and crops, (that op, its input), else None."""
+  if out.op.type != "BatchToSpaceND" or None in map(trace.constant_value, out.op.inputs[1:]):
+    return None
+  return out.op, out.op.inputs[0]
+
+
+def unblocked(b2s: tf.Operation, data: tf.Tensor, conv: tf.Operation, x: tf.Tensor,
+              ksize: list[int]) -> Optional[Blocked]:
+  """The `Blocked` of a conv whose data `data` is a SpaceToBatchND of `x` and whose output `b2s`
+  takes back to x's layout, if the blocks match, the conv has unit strides and dilations and VALID
+  padding (channels last), and the sizes agree (`x` of static sizes, `ksize` the kernel's along the blocked axes),
+  else None."""
+  s2b = data.op
+  if (s2b.type != "SpaceToBatchND" or conv.get_attr("padding") != b"VALID"
+      or conv.get_attr("data_format") not in (b"NHWC", b"NDHWC")
+      or any(v != 1 for v in conv.get_attr("strides") + conv.get_attr("dilations"))):
+    return None
+  block, paddings = trace.constant_value(s2b.inputs[1]), trace.constant_value(s2b.inputs[2])
+  crops = trace.constant_value(b2s.inputs[2])
+  if (block is None or paddings is None or block != trace.constant_value(b2s.inputs[1])
+      or len(ksize) != len(block) or x.shape.rank != len(block) + 2
+      or not x.shape[1:].is_fully_defined() or not b2s.outputs[0].shape[1:-1].is_fully_defined()):
+    return None
+  spec = Blocked(tuple(block), tuple((p[0] - c[0], p[1] - c[1]) for p, c in zip(paddings, crops)))
+  sizes = [n + a + b - d * (k - 1) for n, (a, b), d, k in zip(x.shape[1:-1], spec.pads, block,
+                                                               ksize)]
+  return spec if sizes == b2s.outputs[0].shape[1:-1].as_list() and min(sizes) > 0 else None
 
 
 def windowed_outer(x: tf.Tensor, d: tf.Tensor, ksize: list[int], windows: tuple, m: tf.Tensor,
@@ -200,39 +254,53 @@ def blocked_conv2d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 # Conv3D, grouped in a function body (Keras' grouped Conv3D).
 
 
-def _in_call(op: tf.Operation, var_input: tf.Tensor, conv_type: str) -> Optional[tf.Operation]:
+def _in_call(op: tf.Operation, var_input: tf.Tensor,
+             conv_type: str) -> Optional[tuple[tf.Operation, Optional[Blocked]]]:
   """The `conv_type` op of a call of two inputs, the data and the kernel (a read of it, or the
-  resource handle read in the body), whose body computes that op and nothing else."""
+  resource handle read in the body), whose body computes that op and nothing else, or that op on
+  blocks (`Blocked`, a dilated grouped conv; then also its `Blocked`)."""
   k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
   body = trace.function_graph(op)
   if len(op.inputs) != 2 or len(k) != 1 or body is None or len(body.inputs) != 2:
     return None
   x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
-  conv = trace.skip_identity(body.outputs[0]).op
+  out = trace.skip_identity(body.outputs[0])
+  b2s = blocked(out)
+  conv = (out if b2s is None else b2s[1]).op
   if conv.type != conv_type:
     return None
   w_path, path = trace.skip_identity(conv.inputs[1]), [conv]
   if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
     path.append(w_path.op)
     w_path = w_path.op.inputs[0]
-  if not (trace.same(trace.skip_identity(conv.inputs[0]), x_in) and trace.same(w_path, w_in)):
+  x_path, space = trace.skip_identity(conv.inputs[0]), None
+  if b2s is not None:
+    space = unblocked(b2s[0], x_path, conv, x_in, conv.inputs[1].shape[:-2].as_list())
+    if space is None:
+      return None
+    path += [b2s[0], x_path.op]
+    x_path = x_path.op.inputs[0]
+  if not (trace.same(x_path, x_in) and trace.same(w_path, w_in)):
     return None
   rest = [o for o in body.get_operations() if o not in path
           and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
-  return None if rest else conv
+  return None if rest else (conv, space)
 
 
 def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   """(the Conv3D, its data in `op`'s graph, groups, blocks of the data, strides, dilations,
-  padding), or None. Blocks: a dilated Conv3D's SpaceToBatchND, of an ungrouped op only."""
+  padding, the `Blocked` of a call's conv or None), or None. Blocks: a dilated Conv3D's
+  SpaceToBatchND, of an ungrouped op only."""
+  space = None
   if op.type == "Conv3D":
     if not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
       return None
     conv, x = op, op.inputs[0]
   elif op.type in trace.CALLS:
-    conv = _in_call(op, var_input, "Conv3D")
-    if conv is None:
+    called = _in_call(op, var_input, "Conv3D")
+    if called is None:
       return None
+    conv, space = called
     x = op.inputs[1 - [trace.same(t, var_input) for t in op.inputs].index(True)]
   else:
     return None
@@ -242,11 +310,14 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   groups, cin, cout = x.shape[-1] // w.shape[3], w.shape[3], w.shape[4]
   if groups * cin != x.shape[-1] or cout % groups:
     return None
-  windows = _windows(conv, x, op.outputs[0], w.shape[:3])
+  if space is not None:  # `unblocked` checked the sizes.
+    windows = ([1, 1, 1], list(space.block), "VALID")
+  else:
+    windows = _windows(conv, x, op.outputs[0], w.shape[:3])
   blocks = _blocks(x)
   if windows is None or blocks is None or (blocks > 1 and conv is not op):
     return None
-  return (conv, x, groups, blocks, *windows)
+  return (conv, x, groups, blocks, *windows, space)
 
 
 def match_conv3d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -256,8 +327,10 @@ def match_conv3d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """Conv3D: g = Σ_p patch_pᵀ dz_p; grouped, group g's columns take the patches of its input
   channels and its output channels' gradients."""
-  conv, x, groups, blocks, *windows = next(filter(None, (_conv3d_use(op, t)
-                                                        for t in op.inputs[::-1])))
+  conv, x, groups, blocks, *windows, space = next(filter(None, (_conv3d_use(op, t)
+                                                               for t in op.inputs[::-1])))
+  if space is not None:
+    x = space.padded(x)
   kd, kh, kw, cin, cout = conv.inputs[1].shape
   if groups == 1:
     return windowed_outer(x, _rows(grad, m, var.dtype, blocks, cout), [kd, kh, kw], windows, m,

@@ -47,12 +47,15 @@ class _Conv:
   conv: tf.Operation
   x: tf.Tensor
   expand: Optional[int] = None
+  space: Optional[conv_rules.Blocked] = None  # Dilated through blocks inside the call.
 
 
 def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   """The Conv2D of a call of two inputs, the data and the kernel (Keras 2 passes a read of it,
-  Keras 3 the resource handle), whose body is `[ExpandDims] → Conv2D → [Squeeze]` and nothing else:
-  every other op of the body is a placeholder, constant, identity or the kernel's read."""
+  Keras 3 the resource handle), whose body is `[SpaceToBatchND] → [ExpandDims] → Conv2D →
+  [Squeeze] → [BatchToSpaceND]` and nothing else (the blocks: a dilated grouped conv,
+  `conv_rules.Blocked`): every other op of the body is a placeholder, constant, identity or the
+  kernel's read."""
   # The output count is not checked: taking gradients rewrites the call to also output intermediates.
   k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
   body = trace.function_graph(op)
@@ -60,26 +63,39 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
     return None
   x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
   out = trace.skip_identity(body.outputs[0])
-  path = []
-  if out.op.type == "Squeeze":
-    path.append(out.op)
-    out = out.op.inputs[0]
+  path, b2s = [], conv_rules.blocked(out)
+  if b2s is not None:
+    path.append(b2s[0])
+    out = b2s[1]
+  squeeze = out.op if out.op.type == "Squeeze" else None
+  if squeeze is not None:
+    path.append(squeeze)
+    out = squeeze.inputs[0]
   conv = out.op
   if conv.type != "Conv2D":
     return None
   x_path, w_path = trace.skip_identity(conv.inputs[0]), trace.skip_identity(conv.inputs[1])
   expand = None
-  if path:  # Conv1D: x and the kernel expanded, the output squeezed, on matching axes.
+  if squeeze is not None:  # Conv1D: x and the kernel expanded, the output squeezed, alike.
     expand = trace.constant_value(x_path.op.inputs[1]) if x_path.op.type == "ExpandDims" else None
     if (expand is None or x_in.shape.rank != 3 or w_path.op.type != "ExpandDims"
         or trace.constant_value(w_path.op.inputs[1]) != 0
-        or [d % 4 for d in path[0].get_attr("squeeze_dims")] != [expand % 4]):
+        or [d % 4 for d in squeeze.get_attr("squeeze_dims")] != [expand % 4]):
       return None
     expand %= 4
     if expand == 0:  # The examples would move off axis 0, into the conv's rows.
       return None
     path += [x_path.op, w_path.op]
     x_path, w_path = x_path.op.inputs[0], w_path.op.inputs[0]
+  space = None
+  if b2s is not None:  # A 1-D conv's kernel is (1, k, ·, ·).
+    kernel = conv.inputs[1].shape
+    space = conv_rules.unblocked(b2s[0], x_path, conv, x_in,
+                                 kernel[:2].as_list() if expand is None else [kernel[1]])
+    if space is None or expand not in (None, 1):
+      return None
+    path.append(x_path.op)
+    x_path = x_path.op.inputs[0]
   if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
     path.append(w_path.op)
     w_path = w_path.op.inputs[0]
@@ -87,7 +103,7 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
     return None
   rest = [o for o in body.get_operations() if o not in path and o is not conv
           and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
-  return None if rest else _Conv(conv, op.inputs[1 - k[0]], expand)
+  return None if rest else _Conv(conv, op.inputs[1 - k[0]], expand, space)
 
 
 def _conv_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
@@ -137,6 +153,9 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   if padding == "EXPLICIT":
     x = tf.pad(x, [[pads[2 * i], pads[2 * i + 1]] for i in range(4)])
     padding = "VALID"
+  if spec.space is not None:  # The call's data, dilated and padded as its blocks were.
+    x = spec.space.padded(x, 1 if spec.expand is None else 2)
+    dilations = [1, *([1] if spec.expand is not None else []), *spec.space.block, 1]
   x, grad = tf.cast(x, dtype), _rows(grad, m, cout, dtype)
   if x.shape[1:3].is_fully_defined():  # The patches by kernel offset (`F.Outer.of_blocks`).
     windows = (strides[1:3], dilations[1:3], padding)
