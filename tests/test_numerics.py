@@ -121,8 +121,8 @@ def test_norms_summed_in_float32_take_float64_where_float32_cannot_hold_the_sum(
   for picked in ([0, 1], [0, 2], [0, 3], [4], [0, 1, 2, 3, 4]):
     np.testing.assert_allclose(norms(tf.constant(rows[picked])).numpy(), want[picked], rtol=1e-6)
 
-  # ‖a dᵀ‖² = ‖a‖²‖d‖² with a's squares flushed to zero in float32 and d's near float32's limit:
-  # 1.6e-3, not 0 (which would leave the example unclipped).
+  # ‖a dᵀ‖² = ‖a‖²‖d‖² with a's squares flushed to zero in float32 and d's near float32's
+  # limit: 1.6e-3, not 0 (which would leave the example unclipped).
   kernel = tf.Variable(tf.zeros((4, 4)))
 
   @tf.function

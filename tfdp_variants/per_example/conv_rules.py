@@ -93,12 +93,10 @@ class Blocked:
 
   def padded(self, x: tf.Tensor, first: int = 1) -> tf.Tensor:
     """`x` padded with zeros, or cropped, by `pads` on the axes from `first` on."""
-    axes = range(first, first + len(self.pads))
-    x = tf.pad(x, [list(map(lambda p: max(p, 0), self.pads[a - first])) if a in axes else [0, 0]
-                   for a in range(x.shape.rank)])
-    return x[tuple(slice(max(-self.pads[a - first][0], 0),
-                         x.shape[a] - max(-self.pads[a - first][1], 0)) if a in axes
-                   else slice(None) for a in range(x.shape.rank))]
+    pads = [(0, 0)] * first + list(self.pads)
+    pads += [(0, 0)] * (x.shape.rank - len(pads))
+    x = tf.pad(x, [[max(a, 0), max(b, 0)] for a, b in pads])
+    return x[tuple(slice(max(-a, 0), n - max(-b, 0)) for (a, b), n in zip(pads, x.shape))]
 
 
 def blocked(out: tf.Tensor) -> Optional[tuple[tf.Operation, tf.Tensor]]:
@@ -112,8 +110,8 @@ def unblocked(b2s: tf.Operation, data: tf.Tensor, conv: tf.Operation, x: tf.Tens
               ksize: list[int]) -> Optional[Blocked]:
   """The `Blocked` of a conv whose data `data` is a SpaceToBatchND of `x` and whose output `b2s`
   takes back to x's layout, if the blocks match, the conv has unit strides and dilations and VALID
-  padding (channels last), and the sizes agree (`x` of static sizes, `ksize` the kernel's along the blocked axes),
-  else None."""
+  padding (channels last), and the sizes agree (`x` of static sizes, `ksize` the kernel's along
+  the blocked axes), else None."""
   s2b = data.op
   if (s2b.type != "SpaceToBatchND" or conv.get_attr("padding") != b"VALID"
       or conv.get_attr("data_format") not in (b"NHWC", b"NDHWC")

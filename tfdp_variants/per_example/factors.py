@@ -64,10 +64,10 @@ def _sum_sq(x: tf.Tensor, exact: bool = True) -> tf.Tensor:
   With `exact=False`, a float32 `x` is summed in float32, and a row whose sum float32 may not hold
   to its rounding (overflow, NaN, a norm under √N·2⁻⁵¹) is +inf: the caller takes the exact sum.
   """
-  m = tf.shape(x)[0]
-  if exact or x.dtype != tf.float32 or in_xla():
+  m, xla = tf.shape(x)[0], in_xla()
+  if exact or x.dtype != tf.float32 or xla:
     flat = tf.reshape(tf.cast(x, tf.float64), [m, -1])
-    if in_xla():
+    if xla:
       return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))  # XLA fuses the two.
     # One pass over the float64 rows (XLA has no EuclideanNorm), squared on the (M,) vector.
     return _nan_to_inf(tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))

@@ -29,8 +29,8 @@ def _squared_norms(factors: Sequence[F.Factor]) -> list[tf.Tensor]:
     return [f.squared_norms() for f in factors]
   fast = [f.squared_norms(exact=False) for f in factors]
   held = [tf.math.is_finite(s) for s in fast]
-  return tf.cond(tf.reduce_all(tf.stack([tf.reduce_all(h) for h in held])), lambda: fast,
-                 lambda: [tf.where(h, s, f.squared_norms()) for f, s, h in zip(factors, fast, held)])
+  exact = lambda: [tf.where(h, s, f.squared_norms()) for f, s, h in zip(factors, fast, held)]
+  return tf.cond(tf.reduce_all(tf.stack([tf.reduce_all(h) for h in held])), lambda: fast, exact)
 
 
 class PerExampleGradients:
