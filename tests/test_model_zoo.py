@@ -193,6 +193,10 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                              ["fallback"] * 6 + DENSE),
     "gru_reset_before": (lambda: _seq((4, 3), L.GRU(3, reset_after=False), L.Dense(2)),
                          _floats(B, 4, 3), RNN + DENSE),
+    # Unrolled, each gate's columns sliced from the kernels and the bias (`rules.Slot`).
+    "gru_unrolled_per_gate": (lambda: _seq((4, 3), L.GRU(3, unroll=True, implementation=1,
+                                                         reset_after=False), L.Dense(2)),
+                              _floats(B, 4, 3), RNN + DENSE),
     # Masked steps keep the states: ids 0 are masked, in the middle and at the end.
     "lstm_masked": (lambda: _seq((6,), L.Embedding(5, 3, mask_zero=True), L.LSTM(3), L.Dense(2),
                                  dtype="int32"),

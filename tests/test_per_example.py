@@ -54,6 +54,26 @@ class _TiedEmbedding(tf.keras.Model):
     return tf.matmul(h, self.emb.embeddings, transpose_b=True)[:, -1]
 
 
+class _SlicedWeights(L.Layer):
+  """Weights read in blocks: a kernel split into two column blocks (SplitV), a (2, 3) bias
+  unstacked into its rows (Unpack), rows 1:3 of a (4, 3) kernel (StridedSlice; rows 0 and 3 are
+  never read) and two overlapping column slices of a (3, 4) kernel (no rule: the fallback)."""
+
+  def build(self, input_shape):
+    self.k = self.add_weight(name="k", shape=(input_shape[-1], 6))
+    self.b = self.add_weight(name="b", shape=(2, 3))
+    self.s = self.add_weight(name="s", shape=(4, 3))
+    self.o = self.add_weight(name="o", shape=(3, 4))
+
+  def call(self, x):
+    k1, k2 = tf.split(self.k, [2, -1], axis=1)
+    b1, b2 = tf.unstack(self.b)
+    h = tf.concat([tf.matmul(x, k1), tf.matmul(x, k2)], -1)
+    h = tf.tanh(h[:, :3] + b1) * (h[:, 3:] - b2)
+    h = tf.matmul(h[:, :2], self.s[1:3]) + h
+    return tf.matmul(h, self.o[:, :3]) + tf.matmul(h, self.o[:, 1:])
+
+
 def _floats(*shape):
   return tf.random.stateless_normal(shape, seed=[1, len(shape)])
 
@@ -94,6 +114,9 @@ ZOO = {
     "gru_unrolled": (lambda: _seq((4, 3), L.GRU(5, unroll=True), L.Dense(2)), _floats(B, 4, 3),
                      None),
     "lstm_loop": (lambda: _seq((4, 3), L.LSTM(5), L.Dense(2)), _floats(B, 4, 3), None),
+    # Blocks of a variable take their uses' rules, joined in place (`rules.Slot`).
+    "sliced_weights": (lambda: _seq((5,), _SlicedWeights(), L.Dense(2)), _floats(B, 5),
+                       ["outer", "rowsum", "outer", "fallback", "outer", "rowsum"]),
 }
 
 
@@ -142,9 +165,11 @@ def test_matches_single_example_gradients(name, num_microbatches):
 
 
 @pytest.mark.parametrize("name", ["dense_on_3d", "conv1d_all_paddings", "embedding",
-                                  "tied_embedding", "shared_layer", "layer_norm"])
+                                  "tied_embedding", "shared_layer", "layer_norm",
+                                  "sliced_weights"])
 def test_gram_and_dots_equal_materialized_inner_products(name):
-  """Every factor kind (outer T=1 and T>1, rowsum, gather, fallback) against materialized g_m."""
+  """Every factor kind (outer T=1 and T>1, rowsum, gather, fallback, blocks of a variable) against
+  materialized g_m."""
   tf.keras.utils.set_random_seed(0)
   build, x, _ = ZOO[name]
   model = build()

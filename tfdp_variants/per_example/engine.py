@@ -149,10 +149,10 @@ def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F
     return next(unread)
   if var_uses is None:
     return next(slow_factors)
-  parts = [rules.factor(u, grads[u.output.name], m, var) for u in var_uses
-           if grads[u.output.name] is not None]  # None: tf.gradients proves no path to the loss.
-  return (F.concat(parts, tuple(var.shape)) if parts else
-          F.Dense(tf.zeros(tf.concat([[m], var.shape], 0), var.dtype)))
+  # None: tf.gradients proves no path to the loss.
+  reached = [u for u in var_uses if grads[u.output.name] is not None]
+  return rules.join(reached, [rules.factor(u, grads[u.output.name], m, var) for u in reached], m,
+                    var)
 
 
 def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],

@@ -7,7 +7,8 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
   positions.
 * `RowSum` (BiasAdd, broadcast scales and offsets): g_m = Σ_t D[m, t], summed when made.
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
-* `Columns` (grouped conv): g_m = [g_m¹ … g_mᴳ], one factor per block of the last axis.
+* `Columns` (grouped conv, a split variable): g_m = [g_m¹ … g_mᴳ], one factor per block of an
+  axis.
 * `GroupedOuter` (depthwise conv, grouped Conv3D): G `Outer`s batched along a group axis.
 * `Dense`  (exact fallback): the materialized tensor G[m].
 
@@ -375,22 +376,24 @@ class Gather:
 
 @dataclasses.dataclass
 class Columns:
-  """g_m = reshape([g_m¹ … g_mᴳ], shape): `parts` give blocks of the last axis (a grouped conv's
-  kernel: group g's output channels, each block its own `Outer`)."""
+  """g_m = [g_m¹ … g_mᴳ] joined along the last axis (a grouped conv's kernel: group g's output
+  channels, each block its own `Outer`), or along `axis` ≥ 0 of `shape`, each part's shape its
+  block's (a variable split or sliced before its uses, `rules.Slot`)."""
 
   parts: list
   shape: tuple[int, ...]
-
-  rule = "grouped"
+  axis: int = -1
+  rule: str = "grouped"
 
   def _join(self, blocks: list[tf.Tensor]) -> tf.Tensor:
-    return tf.concat([tf.reshape(b, [-1, *p.shape]) for b, p in zip(blocks, self.parts)], -1)
+    axis = -1 if self.axis == -1 else self.axis + 1  # Behind the microbatch (or sum) axis.
+    return tf.concat([tf.reshape(b, [-1, *p.shape]) for b, p in zip(blocks, self.parts)], axis)
 
   def squared_norms(self, exact: bool = True) -> tf.Tensor:
     return tf.add_n([p.squared_norms(exact) for p in self.parts])
 
   def masked(self, keep: tf.Tensor) -> "Columns":
-    return Columns([p.masked(keep) for p in self.parts], self.shape)
+    return dataclasses.replace(self, parts=[p.masked(keep) for p in self.parts])
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     return tf.reshape(self._join([p.weighted_sum(w) for p in self.parts]), self.shape)
@@ -399,8 +402,8 @@ class Columns:
     return tf.add_n([p.gram() for p in self.parts])
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
-    x = tf.reshape(x, [-1, sum(p.shape[-1] for p in self.parts)])
-    blocks = tf.split(x, [p.shape[-1] for p in self.parts], axis=-1)
+    blocks = tf.split(tf.reshape(x, self.shape), [p.shape[self.axis] for p in self.parts],
+                      axis=self.axis)
     return tf.add_n([p.dots(b) for p, b in zip(self.parts, blocks)])
 
   def materialize(self, start, stop) -> tf.Tensor:

@@ -4,7 +4,9 @@ A rule reads one op that uses a variable: the op's input rows, grouped by exampl
 of its output give the variable's per-example gradients as a factor (`factors.py`). A use matches
 only when `trace.batch_axis` proves the op's input has the examples on axis 0 (a dilated conv's
 SpaceToBatchND: blocks of them, `conv_rules.py`); every other use sends its variable to the exact
-fallback. Adding an op or a layer is one entry of `RULES`.
+fallback. Adding an op or a layer is one entry of `RULES`. A use may read one block of its
+variable (a Split, Unpack or constant unit-stride StridedSlice of the read, `Slot`): its rule gives
+the block's factor as a variable's of the block's shape, and `join` puts the blocks in place.
 
 `PFOR_WRONG` lists the ops whose `tf.vectorized_map` (pfor) conversion is wrong, found by comparing
 vectorized Jacobians with a loop of `tf.gradients` over Keras' layers; a fallback whose backward pass
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -561,7 +563,34 @@ def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Fac
   negated for a negated read (`Use.sign`: every rule is linear in the gradient)."""
   grad = grad if use.sign > 0 else -grad
   rule = RULES[use.kind]
+  if use.slot is not None:  # The use reads one block of the variable: a variable of its own.
+    var = tf.TensorSpec(use.slot.block(var.shape), var.dtype)
   return rule.factor(use.proof if rule.proves else use.op, grad, m, var)
+
+
+def join(uses: list["Use"], parts: list[F.Factor], m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """One factor for a variable from its uses' factors (`parts`, one per use that reaches the loss),
+  the blocks of a split variable (`Slot`, proven one axis and disjoint by `find_uses`) joined in
+  their order along it, blocks no use reaches zero."""
+  shape = tuple(var.shape)
+  slots = [u.slot for u in uses]
+  if not parts or slots[0] is None:
+    return (F.concat(parts, shape) if parts else
+            F.Dense(tf.zeros(tf.concat([[m], shape], 0), var.dtype)))
+  axis = slots[0].axis
+  blocks: dict[tuple[int, int], list[F.Factor]] = {}
+  for slot, part in zip(slots, parts):
+    blocks.setdefault((slot.begin, slot.size), []).append(part)
+  joined, begin = [], 0
+  for (start, size), block in sorted(blocks.items()) + [((shape[axis], 0), [])]:
+    if start > begin:  # A block no use reads (or whose uses do not reach the loss).
+      gap = Slot(axis, begin, start - begin).block(shape)
+      joined.append(F.RowSum(tf.zeros(tf.stack([m, math.prod(gap)]), var.dtype), gap))
+    if block:
+      joined.append(F.concat(block, Slot(axis, start, size).block(shape)))
+    begin = start + size
+  rule = "+".join(sorted({p.rule for p in parts}))
+  return F.Columns(joined, shape, axis, rule) if len(joined) > 1 else joined[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,6 +644,75 @@ _PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast
 
 
 @dataclasses.dataclass(frozen=True)
+class Slot:
+  """The block [begin, begin + size) of axis `axis` of a variable, handed to its uses by a Split,
+  SplitV, Unpack or StridedSlice of its read (Keras 3's GRU splits its (2, 3U) bias into the input
+  and recurrent halves; `GRU(implementation=1)` slices each gate's columns of its kernels)."""
+
+  axis: int
+  begin: int
+  size: int
+
+  def block(self, shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(self.size if i == self.axis else n for i, n in enumerate(shape))
+
+
+def _static_ints(t: tf.Tensor) -> Optional[list[int]]:
+  value = tf.get_static_value(t)
+  return None if value is None else [int(v) for v in value.reshape(-1)]
+
+
+def _slices(op: tf.Operation, shape: tf.TensorShape) -> Optional[list[tuple[tf.Tensor, Slot]]]:
+  """The outputs of a split or unit-stride slice `op` of a tensor of the variable's `shape`, each
+  with the block it holds; None if `op` is none of these or its blocks are not constants."""
+  rank = shape.rank
+  if op.type == "Unpack":
+    axis = op.get_attr("axis") % rank
+    return [(t, Slot(axis, i, 1)) for i, t in enumerate(op.outputs)]
+  if op.type in ("Split", "SplitV"):
+    axis = _static_ints(op.inputs[0 if op.type == "Split" else 2])
+    if axis is None:
+      return None
+    axis = axis[0] % rank
+    if op.type == "Split":
+      sizes = [shape[axis] // len(op.outputs)] * len(op.outputs)
+    else:
+      sizes = _static_ints(op.inputs[1])
+      if sizes is None:
+        return None
+      sizes = [shape[axis] - (sum(sizes) + 1) if n == -1 else n for n in sizes]
+    begins = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(t, Slot(axis, b, n)) for t, b, n in zip(op.outputs, begins, sizes)]
+  if op.type != "StridedSlice":
+    return None
+  begin, end, strides = (_static_ints(t) for t in op.inputs[1:4])
+  if (begin is None or end is None or strides != [1] * len(begin) or len(begin) > rank
+      or op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask")):
+    return None
+  masks = {k: op.get_attr(f"{k}_mask") for k in ("begin", "end", "shrink_axis")}
+  ranges = []
+  for i, n in enumerate(shape.as_list()):
+    if i >= len(begin):
+      ranges.append(range(n))
+    elif masks["shrink_axis"] >> i & 1:
+      start = begin[i] + n if begin[i] < 0 else begin[i]
+      ranges.append(range(start, start + 1) if 0 <= start < n else range(0))
+    else:
+      ranges.append(range(n)[slice(None if masks["begin"] >> i & 1 else begin[i],
+                                   None if masks["end"] >> i & 1 else end[i])])
+  cut = [i for i, r in enumerate(ranges) if len(r) != shape[i]]
+  if len(cut) > 1 or any(len(r) == 0 for r in ranges):
+    return None
+  axis = cut[0] if cut else 0
+  return [(op.outputs[0], Slot(axis, ranges[axis].start, len(ranges[axis])))]
+
+
+# Rules whose factor reads the variable's shape only as its number of elements: they take a block
+# of it through any reshape. Every other rule takes a block only as the op reads it.
+_ANY_SHAPE = frozenset({"bias_add", "broadcast"})
+
+
+@dataclasses.dataclass(frozen=True)
 class Use:
   """One op that uses a variable and has a per-example rule.
 
@@ -629,31 +727,51 @@ class Use:
   op: tf.Operation
   sign: int = 1
   proof: Optional[object] = None  # A proving rule's proof (`Rule.proves`).
+  slot: Optional[Slot] = None  # The block of the variable the op reads, if not all of it.
 
   @property
   def output(self) -> tf.Tensor:
     return self.op.outputs[0] if self.proof is None else self.proof.probe
 
 
-def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation],
-             sign: int = 1) -> Optional[list[Use]]:
-  """Rule-bearing uses of a read of a variable (negated if `sign` is -1), or None if any use has
-  no rule."""
+def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShape, sign: int = 1,
+             slot: Optional[Slot] = None) -> Optional[list[Use]]:
+  """Rule-bearing uses of a read of a variable of `shape` (negated if `sign` is -1; its block
+  `slot` if not None), or None if any use has no rule."""
   uses = []
   for op in tensor.consumers():
     if op not in forward:
       continue
     if op.type in _PASS_THROUGH or op.type == "Neg":
-      sub = _uses_of(op.outputs[0], forward, -sign if op.type == "Neg" else sign)
-      if sub is None:
-        return None
-      uses.extend(sub)
-      continue
-    use = match(op, tensor, forward, sign)
-    if use is None:
+      sub = _uses_of(op.outputs[0], forward, shape, -sign if op.type == "Neg" else sign, slot)
+    elif (slot is None and shape.is_fully_defined() and tensor.shape == shape
+          and _slices(op, shape) is not None):
+      sub = []
+      for out, block in _slices(op, shape):
+        part = _uses_of(out, forward, shape, sign, block)
+        if part is None:
+          return None
+        sub.extend(part)
+    else:
+      use = match(op, tensor, forward, sign)
+      if use is not None and slot is not None:
+        use = (None if use.kind not in _ANY_SHAPE and tensor.shape != slot.block(shape) else
+               dataclasses.replace(use, slot=slot))
+      sub = None if use is None else [use]
+    if sub is None:
       return None
-    uses.append(use)
+    uses.extend(sub)
   return uses
+
+
+def _disjoint(uses: list[Use]) -> bool:
+  """Whether the uses read all of the variable, or blocks of one axis of it that do not overlap."""
+  slots = {u.slot for u in uses}
+  if None in slots:
+    return slots == {None}
+  spans = sorted({(s.begin, s.size) for s in slots})
+  return (len({s.axis for s in slots}) == 1 and
+          all(b0 + n0 <= b1 for (b0, n0), (b1, _) in zip(spans, spans[1:])))
 
 
 def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
@@ -669,11 +787,11 @@ def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Us
     if op not in forward:
       continue
     if op.type == "ReadVariableOp":
-      sub = _uses_of(op.outputs[0], forward)
+      sub = _uses_of(op.outputs[0], forward, op.outputs[0].shape)
     else:
       use = match(op, handle, forward)
       sub = None if use is None else [use]
     if sub is None:
       return None
     uses.extend(sub)
-  return uses
+  return uses if _disjoint(uses) else None
