@@ -662,9 +662,18 @@ def _static_ints(t: tf.Tensor) -> Optional[list[int]]:
   return None if value is None else [int(v) for v in value.reshape(-1)]
 
 
-def _slices(op: tf.Operation, shape: tf.TensorShape) -> Optional[list[tuple[tf.Tensor, Slot]]]:
-  """The outputs of a split or unit-stride slice `op` of a tensor of the variable's `shape`, each
-  with the block it holds; None if `op` is none of these or its blocks are not constants."""
+# Split ops -> the index of the input they split (the others give its axis, sizes or bounds).
+_SPLIT_VALUE = {"Unpack": 0, "Split": 1, "SplitV": 0, "StridedSlice": 0}
+
+
+def _slices(op: tf.Operation, tensor: tf.Tensor,
+            shape: tf.TensorShape) -> Optional[list[tuple[tf.Tensor, Slot]]]:
+  """The outputs of a split or unit-stride slice `op` of `tensor`, the read of a variable of
+  `shape`, each with the block it holds; None if `op` is none of these, reads `tensor` as
+  anything but the value it splits, or its blocks are not constants."""
+  if (op.type not in _SPLIT_VALUE or not shape.is_fully_defined() or tensor.shape != shape
+      or [i for i, t in enumerate(op.inputs) if trace.same(t, tensor)] != [_SPLIT_VALUE[op.type]]):
+    return None
   rank = shape.rank
   if op.type == "Unpack":
     axis = op.get_attr("axis") % rank
@@ -683,8 +692,6 @@ def _slices(op: tf.Operation, shape: tf.TensorShape) -> Optional[list[tuple[tf.T
       sizes = [shape[axis] - (sum(sizes) + 1) if n == -1 else n for n in sizes]
     begins = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(t, Slot(axis, b, n)) for t, b, n in zip(op.outputs, begins, sizes)]
-  if op.type != "StridedSlice":
-    return None
   begin, end, strides = (_static_ints(t) for t in op.inputs[1:4])
   if (begin is None or end is None or strides != [1] * len(begin) or len(begin) > rank
       or op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask")):
@@ -742,12 +749,12 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShap
   for op in tensor.consumers():
     if op not in forward:
       continue
+    blocks = None if slot is not None else _slices(op, tensor, shape)  # No block of a block.
     if op.type in _PASS_THROUGH or op.type == "Neg":
       sub = _uses_of(op.outputs[0], forward, shape, -sign if op.type == "Neg" else sign, slot)
-    elif (slot is None and shape.is_fully_defined() and tensor.shape == shape
-          and _slices(op, shape) is not None):
+    elif blocks is not None:
       sub = []
-      for out, block in _slices(op, shape):
+      for out, block in blocks:
         part = _uses_of(out, forward, shape, sign, block)
         if part is None:
           return None
@@ -767,8 +774,8 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShap
 def _disjoint(uses: list[Use]) -> bool:
   """Whether the uses read all of the variable, or blocks of one axis of it that do not overlap."""
   slots = {u.slot for u in uses}
-  if None in slots:
-    return slots == {None}
+  if None in slots or not slots:
+    return slots <= {None}
   spans = sorted({(s.begin, s.size) for s in slots})
   return (len({s.axis for s in slots}) == 1 and
           all(b0 + n0 <= b1 for (b0, n0), (b1, _) in zip(spans, spans[1:])))
