@@ -132,3 +132,21 @@ def test_batch_axis_through_new_axes_and_computed_tile_multiples():
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([4, 3, 2]), tf.TensorSpec([], tf.int32))
   assert results == [[0, 1, 1, 0, 2, 0, None, None, None, None, 0, None]]
+
+
+def test_zeros_of_the_batch_size_are_batched():
+  """A Fill whose shape packs constants and one `Shape(t)[k]`, t batched on axis k (an unrolled
+  RNN's first state), is batched where that entry lies; any other computed size stays unbatched."""
+  from tfdp_variants.per_example import trace
+
+  results = []
+
+  def axes(x):
+    n, w = tf.shape(x), tf.ones([5, 3])
+    cases = [tf.zeros([n[0], 3]), tf.zeros([3, n[0]]), tf.ones([n[-3], 2]), tf.zeros([n[1], 3]),
+             tf.zeros([n[0], n[0]]), tf.zeros([n[0] * 2, 3]), tf.zeros([tf.shape(w)[0], 3])]
+    results.append([trace.batch_axis(t) for t in cases])
+    return x
+
+  tf.function(axes).get_concrete_function(tf.TensorSpec([None, 3, 2]))
+  assert results == [[0, 1, 0, None, None, None, None]]

@@ -164,6 +164,25 @@ def test_matches_single_example_gradients(name, num_microbatches):
 
 
 
+
+def test_unrolled_gru_of_unknown_batch_size_takes_rules():
+  """An unrolled GRU's first state is zeros of the batch size (a Fill of `Shape(x)[0]`): traced
+  with an unknown batch size, as Keras' fit traces it, every variable takes a fast rule, exact."""
+  tf.keras.utils.set_random_seed(0)
+  model = _seq((4, 3), L.GRU(5, unroll=True), L.Dense(2))
+  x, y, seen = _floats(B, 4, 3), _floats(B, 2), {}
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 4, 3]), tf.TensorSpec([None, 2])])
+  def run(x, y):
+    grads = per_example.compute(engine_helpers.mse(y, model(x, training=True)),
+                                model.trainable_variables)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  ours = run(x, y)
+  _assert_close(ours, _reference(model, x, y, None), [v.name for v in model.trainable_variables])
+  assert "fallback" not in seen["rules"], seen["rules"]
+
 @pytest.mark.parametrize("name", ["dense_on_3d", "conv1d_all_paddings", "embedding",
                                   "tied_embedding", "shared_layer", "layer_norm",
                                   "sliced_weights"])

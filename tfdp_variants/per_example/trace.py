@@ -444,6 +444,34 @@ def _batch_to_space(op: tf.Operation, ins: list[Info]) -> Info:
   return Batch(0)
 
 
+def _fill_rows(op: tf.Operation) -> Optional[tuple[tf.Tensor, int, int]]:
+  """A Fill (`tf.zeros`/`tf.ones` of a computed shape: an RNN's first state) whose dims pack
+  constants and one entry `Shape(t)[k]`: (t, k, the entry's position), else None.
+
+  Where t holds the examples on axis k, the filled tensor is batched on that position: its rows
+  depend on no example, so each row belongs to one example vacuously, and one per example.
+  """
+  dims = op.inputs[0].op
+  if dims.type != "Pack" or dims.get_attr("axis") != 0:
+    return None
+  found = []
+  for j, d in enumerate(dims.inputs):
+    if d.op.type == "Const":
+      continue
+    s = d.op
+    if (s.type != "StridedSlice" or s.inputs[0].op.type != "Shape"
+        or s.get_attr("shrink_axis_mask") != 1 or constant_value(s.inputs[3]) != [1]
+        or any(s.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                         "new_axis_mask"))):
+      return None
+    t, begin = s.inputs[0].op.inputs[0], constant_value(s.inputs[1])
+    k = None if begin is None else _norm(begin[0], _rank(t))
+    if k is None:
+      return None
+    found.append((t, k, j))
+  return found[0] if len(found) == 1 else None
+
+
 def _one_hot(op: tf.Operation, ins: list[Info]) -> Info:
   b, axis = ins[0].axis, op.get_attr("axis")
   return ins[0] if axis == -1 or axis > b else Batch(b + 1)
@@ -879,7 +907,10 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
     elif op.type in _NO_BATCH_OPS or x.dtype == tf.resource:
       memo[x.name] = NO_BATCH
     else:
+      fill = _fill_rows(op) if op.type == "Fill" else None
       pending = [i for i in op.inputs if i.name not in memo]
+      if fill is not None and fill[0].name not in memo:
+        pending.append(fill[0])
       if pending:
         stack.extend(pending)
         continue
@@ -899,6 +930,8 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = [None] * len(op.outputs)
       elif op.type in CALLS:
         outs = _call_outputs(op, ins, memo)
+      elif fill is not None and memo[fill[0].name] == Batch(fill[1]):
+        outs = [Batch(fill[2])]
       elif all(i.axis is None for i in ins):
         # Depends on no example (a random mask, a shape), unless a function body (a branch, a
         # loop) may read data through a resource (TF 2.15's distributed input reads its iterator
@@ -937,7 +970,8 @@ def batch_axis(t: tf.Tensor) -> Optional[int]:
   """The axis of `t` along which examples lie, if proven; None if unknown, mixed or not batched.
 
   Base case: the data entering the step (the function's tensor arguments, iterator outputs) holds
-  examples on axis 0; variables, constants and captured eager tensors hold none; ragged and sparse
+  examples on axis 0; variables, constants and captured eager tensors hold none; a Fill of the
+  batch size (`tf.zeros([tf.shape(x)[0], n])`, an RNN's first state) is batched; ragged and sparse
   components and any op without a rule in `_AXIS_RULES` are unknown. Calls, If and While bodies
   (to a fixed point over the loop variables) and TensorLists are followed as in `loss_info`, so the
   outputs of a looped RNN are proven example-major where its body keeps each example's row apart.
