@@ -4,7 +4,8 @@ In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer, or of
 of their cells (LSTMCell, GRUCell, SimpleRNNCell), that `recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input projection hoisted out
 of the loop, the recurrent product proven by the "loop_matmul" or "loop_conv" rule) instead of
 Keras' cell loop: the same values, masks included. Any other configuration keeps Keras' own loop,
-whose weights take the exact fallback: `unroll`, dropout or recurrent dropout in training, a
+whose weights take the exact fallback: `unroll`, recurrent dropout or per-gate input dropout
+masks in training (input `dropout` of a cell with one mask is hoisted with the projection), a
 subclassed cell, stacked cells, constants, Keras 2's "causal" ConvLSTM1D, eager execution.
 """
 
@@ -34,18 +35,38 @@ def _value(v, dtype: tf.DType) -> Optional[tf.Tensor]:
   return None if v is None else tf.cast(tf.convert_to_tensor(v), dtype)
 
 
+def _one_input_mask(cell, training) -> bool:
+  """Whether `cell` in training drops its inputs by one mask that this module can hoist: training
+  is True (not a tensor or None: Keras 2 decides those later), no recurrent dropout, and one mask
+  for all gates (Keras' `implementation=2`; implementation 1 and ConvLSTM draw one per gate)."""
+  return (training is True and not getattr(cell, "recurrent_dropout", 0)
+          and getattr(cell, "implementation", 2) != 1 and type(cell) is not _CONV_LSTM_CELL)
+
+
+def _input_mask(cell, step: tf.Tensor) -> tf.Tensor:
+  """The cell's input dropout mask for one step's (B, D) input: Keras 3's own (drawn once per
+  call from the cell's seed generator by `RNN.call`), or, in Keras 2, one of the same law."""
+  if KERAS_3:
+    return cell.get_dropout_mask(step)
+  return tf.nn.dropout(tf.ones_like(step), rate=cell.dropout)
+
+
 def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
                      training) -> Optional[tuple]:
   """(last output, outputs, states) of `layer` by `recurrence`, or None where Keras' loop runs."""
   cell = layer.cell
   masks = [m for m in tf.nest.flatten(mask) if m is not None]
+  dropping = training is not False and bool(getattr(cell, "dropout", 0)
+                                            or getattr(cell, "recurrent_dropout", 0))
   if (type(cell) not in _CELLS or not recurrence.enabled(layer) or not tf.inside_function()
       or layer.unroll
       or len(masks) > 1 or (masks and masks[0].shape.rank != 2)
-      or (training and (getattr(cell, "dropout", 0) or getattr(cell, "recurrent_dropout", 0)))):
+      or (dropping and not _one_input_mask(cell, training))):
     return None
   dtype = tf.as_dtype(sequences.dtype)
   x, mask = sequences, (masks[0] if masks else None)
+  if dropping:  # One mask per example and input unit, the same at every step, as Keras' cell.
+    x = x * tf.expand_dims(tf.cast(_input_mask(cell, x[:, 0]), dtype), 1)
   if layer.go_backwards:  # Keras reverses the time, the mask's too.
     x, mask = tf.reverse(x, [1]), (None if mask is None else tf.reverse(mask, [1]))
   conv = type(cell) is _CONV_LSTM_CELL
@@ -76,7 +97,7 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
 def _inner_loop(keras_inner_loop: Callable) -> Callable:
   @functools.wraps(keras_inner_loop)
   def inner_loop(self, sequences, initial_state, mask, training=False):
-    ours = per_example_loop(self, sequences, initial_state, mask, training)
+    ours = per_example_loop(self, sequences, initial_state, mask, bool(training))
     if ours is None:
       return keras_inner_loop(self, sequences, initial_state, mask, training=training)
     return ours
@@ -109,8 +130,7 @@ def _call(keras_call: Callable) -> Callable:
         or getattr(self, "return_runtime", False)):
       return keras_loop()
     sequences, states, _ = self._process_inputs(inputs, initial_state, None)  # pylint: disable=protected-access
-    ours = per_example_loop(self, sequences, states, mask,  # Dropout: training unless False.
-                            training if isinstance(training, bool) else True)
+    ours = per_example_loop(self, sequences, states, mask, training)
     if ours is None:
       return keras_loop()
     last, outputs, states = ours
