@@ -31,7 +31,7 @@ def _reference(a, d, keep, w):
 
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("materialized", [False, True])
-@pytest.mark.parametrize("by_blocks", [False, True])
+@pytest.mark.parametrize("by_blocks", [None, (2, 1), (1, 1, 1)])
 def test_masked_outer_zeroes_non_finite_rows(t, materialized, by_blocks, monkeypatch):
   monkeypatch.setattr(F.Outer, "_prefers_materialized", lambda self: materialized)
   rng = np.random.default_rng(1)
@@ -40,9 +40,11 @@ def test_masked_outer_zeroes_non_finite_rows(t, materialized, by_blocks, monkeyp
   keep = np.array([True, False, False, True])
   w = np.array([0.5, 1.0, 1.0, 2.0])
   a_t, d_t = tf.constant(a, tf.float32), tf.constant(d, tf.float32)
-  # By blocks: A's columns as a conv's kernel offsets give them (blocks of 2 and 1 columns).
-  outer = (F.Outer.of_blocks([a_t[:, :, :2], a_t[:, :, 2:]], d_t, (3, 2)) if by_blocks
-           else F.Outer(a_t, d_t, (3, 2)))
+  # By blocks: A's columns as a conv's kernel offsets give them (of 2 and 1 columns, or of one
+  # column each: a conv of one input channel).
+  edges = np.cumsum((0, *by_blocks)) if by_blocks else None
+  outer = (F.Outer.of_blocks([a_t[:, :, i:j] for i, j in zip(edges, edges[1:])], d_t, (3, 2))
+           if by_blocks else F.Outer(a_t, d_t, (3, 2)))
   outer.squared_norms()  # Caches the materialized form where it is preferred.
   masked = outer.masked(tf.constant(keep))
   norms, total, g = _reference(a, d, keep, w)

@@ -172,6 +172,8 @@ class Outer:
     d = self.d[start:stop]
     if self.blocks is None:
       return tf.matmul(self.a[start:stop], d, transpose_a=True)
+    if all(b.shape[-1] == 1 for b in self.blocks):  # One input channel: one (K, T)·(T, O) product.
+      return tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d)
     return tf.concat([tf.matmul(b[start:stop], d, transpose_a=True) for b in self.blocks], 1)
 
   def _full(self) -> tf.Tensor:
