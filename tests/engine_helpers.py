@@ -1,8 +1,10 @@
 """Helpers shared by the engine's tests (imported as a module: pytest puts tests/ on sys.path)."""
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp_variants import per_example
+from tfdp_variants.per_example import recurrence
 
 
 def mse(y, y_pred):
@@ -22,3 +24,20 @@ def rules(model, x, y) -> list[str]:
 
   run(x, y)
   return seen["rules"]
+
+
+def gradients_and_rules(model, x, y, num_microbatches=None) -> tuple[list[np.ndarray], list[str]]:
+  """Per-microbatch gradients of `model`'s MSE and the rule each variable takes, from one trace
+  without the self-check: the rules' results alone, as `per_example_gradients` would return them
+  had its self-check passed (a test compares them with references; half the time of both)."""
+  recurrence.enable(model)
+  seen = {}
+
+  @tf.function
+  def run(x, y):
+    grads = per_example.compute(mse(y, model(x, training=True)), model.trainable_variables,
+                                num_microbatches, self_check=False)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  return [g.numpy() for g in run(x, y)], seen["rules"]
