@@ -97,7 +97,7 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
 def _inner_loop(keras_inner_loop: Callable) -> Callable:
   @functools.wraps(keras_inner_loop)
   def inner_loop(self, sequences, initial_state, mask, training=False):
-    ours = per_example_loop(self, sequences, initial_state, mask, bool(training))
+    ours = per_example_loop(self, sequences, initial_state, mask, training)
     if ours is None:
       return keras_inner_loop(self, sequences, initial_state, mask, training=training)
     return ours
