@@ -190,7 +190,7 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                    _floats(B, 4, 3), RNN * 3 + DENSE),
     "rnn_of_stacked_cells": (lambda: _seq((4, 3), L.RNN([L.LSTMCell(2), L.GRUCell(2)]),
                                           L.Dense(2)), _floats(B, 4, 3),
-                             ["fallback"] * 6 + DENSE),
+                             RNN * 2 + DENSE),
     "gru_reset_before": (lambda: _seq((4, 3), L.GRU(3, reset_after=False), L.Dense(2)),
                          _floats(B, 4, 3), RNN + DENSE),
     # Unrolled, each gate's columns sliced from the kernels and the bias (`rules.Slot`).

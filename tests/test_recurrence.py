@@ -23,24 +23,30 @@ def _x(*spatial):
 _MASK = tf.constant([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]) > 0
 
 
-@pytest.mark.parametrize("layer", ["LSTM", "GRU", "GRU_reset_before", "SimpleRNN"])
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "GRU_reset_before", "SimpleRNN",
+                                   "stacked_cells"])
 @pytest.mark.parametrize("go_backwards", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("zero_output_for_mask", [False, True])
 def test_loops_compute_keras_values(layer, go_backwards, masked, zero_output_for_mask):
-  """Outputs, last output and states equal those of Keras' own loop, in a graph."""
+  """Outputs, last output and states equal those of Keras' own loop, in a graph (an `RNN` of
+  stacked cells: one loop per cell, over the outputs of the one below)."""
   if zero_output_for_mask and not masked:
     pytest.skip("the same case as without a mask")
   tf.keras.utils.set_random_seed(0)
-  options = {"reset_after": False} if layer == "GRU_reset_before" else {}
-  make = lambda: getattr(L, layer.split("_")[0])(H, return_sequences=True, return_state=True,
-                                                 go_backwards=go_backwards,
-                                                 zero_output_for_mask=zero_output_for_mask,
-                                                 **options)
+  options = dict(return_sequences=True, return_state=True, go_backwards=go_backwards,
+                 zero_output_for_mask=zero_output_for_mask)
+  fill = lambda: tf.fill([B, H], 0.3)  # Kept at masked steps.
+  if layer == "stacked_cells":
+    make = lambda: L.RNN([L.LSTMCell(H), L.SimpleRNNCell(H), L.GRUCell(H)], **options)
+    initial = [[fill(), fill()], fill(), fill()]
+  else:
+    extra = {"reset_after": False} if layer == "GRU_reset_before" else {}
+    make = lambda: getattr(L, layer.split("_")[0])(H, **options, **extra)
+    initial = [fill()] * (2 if layer == "LSTM" else 1)
   keras_layer, ours = make(), make()
   x = _x()
   mask = _MASK if masked else None
-  initial = [tf.fill([B, H], 0.3)] * (2 if layer == "LSTM" else 1)  # Kept at masked steps.
   want = tf.function(lambda x: keras_layer(x, mask=mask, initial_state=initial,
                                            training=True))(x)
   ours(x)

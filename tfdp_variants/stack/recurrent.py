@@ -1,12 +1,14 @@
 """Looped RNN layers of a DP model, computed so that their weights have per-example rules.
 
 In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer, or of an `RNN` of one
-of their cells (LSTMCell, GRUCell, SimpleRNNCell), that `recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input projection hoisted out
-of the loop, the recurrent product proven by the "loop_matmul" or "loop_conv" rule) instead of
+of their cells (LSTMCell, GRUCell, SimpleRNNCell) or of `StackedRNNCells` of them, that
+`recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input
+projection hoisted out of the loop, the recurrent product proven by the "loop_matmul" or "loop_conv" rule) instead of
 Keras' cell loop: the same values, masks included. Any other configuration keeps Keras' own loop,
 whose weights take the exact fallback: `unroll`, recurrent dropout or per-gate input dropout
 masks in training (input `dropout` of a cell with one mask is hoisted with the projection), a
-subclassed cell, stacked cells, constants, Keras 2's "causal" ConvLSTM1D, eager execution.
+subclassed cell, dropout in stacked cells, constants, Keras 2's "causal" ConvLSTM1D, eager
+execution.
 """
 
 from __future__ import annotations
@@ -53,15 +55,25 @@ def _input_mask(cell, step: tf.Tensor) -> tf.Tensor:
 
 def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
                      training) -> Optional[tuple]:
-  """(last output, outputs, states) of `layer` by `recurrence`, or None where Keras' loop runs."""
+  """(last output, outputs, states) of `layer` by `recurrence`, or None where Keras' loop runs.
+
+  An `RNN` of `StackedRNNCells` of LSTM, GRU and SimpleRNN cells runs one loop per cell, each over
+  the previous one's outputs: cell k at step t reads cell k-1's output at step t and its own
+  state at t-1 either way. At a masked step every cell keeps its state, so what a lower cell
+  outputs there is never read.
+  """
   cell = layer.cell
+  stacked = type(cell) is keras.layers.StackedRNNCells
+  cells = list(cell.cells) if stacked else [cell]
   masks = [m for m in tf.nest.flatten(mask) if m is not None]
-  dropping = training is not False and bool(getattr(cell, "dropout", 0)
-                                            or getattr(cell, "recurrent_dropout", 0))
-  if (type(cell) not in _CELLS or not recurrence.enabled(layer) or not tf.inside_function()
-      or layer.unroll
+  dropping = training is not False and any(
+      getattr(c, "dropout", 0) or getattr(c, "recurrent_dropout", 0) for c in cells)
+  if (any(type(c) not in _CELLS for c in cells) or not recurrence.enabled(layer)
+      or not tf.inside_function() or layer.unroll
       or len(masks) > 1 or (masks and masks[0].shape.rank != 2)
-      or (dropping and not _one_input_mask(cell, training))):
+      or (dropping and (stacked or not _one_input_mask(cell, training)))
+      or (stacked and (_CONV_LSTM_CELL in map(type, cells)
+                       or len(initial_state) != len(cells)))):
     return None
   dtype = tf.as_dtype(sequences.dtype)
   x, mask = sequences, (masks[0] if masks else None)
@@ -73,7 +85,22 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   # Keras 2's ConvRNN runs its loop without `zero_output_for_mask`: False.
   masking = {"mask": mask,
              "zero_output_for_mask": bool(layer.zero_output_for_mask) and (KERAS_3 or not conv)}
-  states = [tf.cast(s, dtype) for s in tf.nest.flatten(initial_state)]
+  if not stacked:
+    return _cell_loop(cell, x, tf.nest.flatten(initial_state), dtype, masking)
+  states = []
+  for c, state in zip(cells, initial_state):  # Each cell's loop over the outputs of the last.
+    ours = _cell_loop(c, x, tf.nest.flatten(state), dtype, masking)
+    if ours is None:
+      return None
+    last, x, new = ours
+    states.append(new if tf.nest.is_nested(state) else new[0])
+  return last, x, states
+
+
+def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict
+               ) -> Optional[tuple]:
+  """`recurrence`'s loop of one built-in cell over x (in the order it is processed)."""
+  states = [tf.cast(s, dtype) for s in states]
   kernel, recurrent_kernel = _value(cell.kernel, dtype), _value(cell.recurrent_kernel, dtype)
   bias = _value(cell.bias, dtype) if cell.use_bias else None
   if type(cell) is keras.layers.LSTMCell and len(states) == 2:
@@ -86,7 +113,7 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1:
     return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
                                  **masking)
-  if conv and len(states) == 2 and cell.padding in ("same", "valid"):
+  if type(cell) is _CONV_LSTM_CELL and len(states) == 2 and cell.padding in ("same", "valid"):
     return recurrence.conv_lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
                                 cell.recurrent_activation, cell.strides, cell.padding,
                                 cell.dilation_rate, cell.data_format == "channels_first",
