@@ -4,8 +4,8 @@ In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer, or of
 of their cells (LSTMCell, GRUCell, SimpleRNNCell) or of `StackedRNNCells` of them, that
 `recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input
 projection hoisted out of the loop, the recurrent product proven by the "loop_matmul" or
-"loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Any other configuration keeps Keras' own loop,
-whose weights take the exact fallback: `unroll`, recurrent dropout or per-gate input dropout
+"loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Any other
+configuration keeps Keras' own loop, whose weights take the exact fallback: `unroll`, recurrent dropout or per-gate input dropout
 masks in training (input `dropout` of a cell with one mask is hoisted with the projection), a
 subclassed cell, dropout in stacked cells, constants, Keras 2's "causal" ConvLSTM1D, eager
 execution.
