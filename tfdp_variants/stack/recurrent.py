@@ -5,10 +5,10 @@ of their cells (LSTMCell, GRUCell, SimpleRNNCell) or of `StackedRNNCells` of the
 `recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input
 projection hoisted out of the loop, the recurrent product proven by the "loop_matmul" or
 "loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Any other
-configuration keeps Keras' own loop, whose weights take the exact fallback: `unroll`, recurrent dropout or per-gate input dropout
-masks in training (input `dropout` of a cell with one mask is hoisted with the projection), a
-subclassed cell, dropout in stacked cells, constants, Keras 2's "causal" ConvLSTM1D, eager
-execution.
+configuration keeps Keras' own loop, whose weights take the exact fallback: `unroll`, recurrent
+dropout or per-gate input dropout masks in training (input `dropout` of a cell with one mask is
+hoisted with the projection), a subclassed cell, dropout in stacked cells, constants, Keras 2's
+"causal" ConvLSTM1D, eager execution.
 """
 
 from __future__ import annotations
