@@ -39,15 +39,17 @@ _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # Ops that read no val
 
 @dataclasses.dataclass(frozen=True)
 class LoopProduct:
-  """A proven recurrent product: `probe` (outer, time-major (T, B, ·)), `inputs` (the loop's
-  output list whose row t holds a_t, of shape `shape` and dtype `dtype`) and the shape of the
-  kernel as the product reads it, `kernel`."""
+  """A proven recurrent product: `probe`, the tensor whose gradient the factor reads (the
+  time-major (T, B, ·) probe q, or the example-major z when q = transpose(z) is z's only use:
+  `time_major` False), `inputs` (the loop's output list whose row t holds a_t, of shape `shape`
+  and dtype `dtype`) and the shape of the kernel as the product reads it, `kernel`."""
 
   probe: tf.Tensor
   inputs: tf.Tensor
   shape: tf.TensorShape
   dtype: tf.DType
   kernel: tf.TensorShape
+  time_major: bool = True
 
 
 def _body_ancestors(outputs: list[tf.Tensor]) -> set[tf.Operation]:
@@ -175,7 +177,26 @@ def _loop_product_use(loop: tf.Operation, var_input: tf.Tensor, forward: set[tf.
       or probe.shape.rank != rank + 1 or trace.batch_axis(probe) != 1
       or trace.batch_axis(loop.outputs[kl]) != 1):
     return None
+  source = _example_major_source(probe, forward)
+  if source is not None:
+    return LoopProduct(source, loop.outputs[kl], a.shape, a.dtype, u.shape, time_major=False)
   return LoopProduct(probe, loop.outputs[kl], a.shape, a.dtype, u.shape)
+
+
+def _example_major_source(probe: tf.Tensor, forward: set[tf.Operation]) -> Optional[tf.Tensor]:
+  """z, if the probe is `transpose(z)` to time-major (axes 0 and 1 swapped) and that is the only
+  use of z's values: then ∂L/∂z is ∂L/∂q example-major, which the backward pass forms anyway to
+  reach z's inputs, and the factor reads it instead of transposing ∂L/∂q a second time."""
+  op = probe.op
+  if op.type != "Transpose":
+    return None
+  perm = trace.constant_value(op.inputs[1])
+  z = op.inputs[0]
+  if (perm is None or list(perm) != [1, 0, *range(2, probe.shape.rank)]
+      or [c for c in z.consumers() if c in forward and c.type not in _SHAPES] != [op]
+      or trace.batch_axis(z) != 0):
+    return None
+  return z
 
 
 def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
@@ -208,8 +229,14 @@ def loop_matmul_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
   """g = Σ_t a_tᵀ ∂L/∂q_t per example: rows of the stacked list and of the probe's gradient."""
   rows = lambda x, width: tf.reshape(tf.cast(x, var.dtype), [m, -1, width])
   fan_in, fan_out = var.shape
-  return F.Outer(rows(_stacked(use), fan_in),
-                 rows(_example_major(tf.convert_to_tensor(grad)), fan_out), tuple(var.shape))
+  return F.Outer(rows(_stacked(use), fan_in), rows(_grad_rows(use, grad), fan_out),
+                 tuple(var.shape))
+
+
+def _grad_rows(use: LoopProduct, grad: tf.Tensor) -> tf.Tensor:
+  """∂L/∂q example-major (B, T, ·)."""
+  grad = tf.convert_to_tensor(grad)
+  return _example_major(grad) if use.time_major else grad
 
 
 def loop_conv_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
@@ -219,8 +246,7 @@ def loop_conv_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
   padding."""
   a = _stacked(use)
   frames = tf.reshape(a, [-1, *use.shape[1:]])  # (B·T, ·): each example's frames contiguous.
-  d = tf.reshape(tf.cast(_example_major(tf.convert_to_tensor(grad)), var.dtype),
-                 [m, -1, use.kernel[-1]])
+  d = tf.reshape(tf.cast(_grad_rows(use, grad), var.dtype), [m, -1, use.kernel[-1]])
   spatial = use.kernel.rank - 2
   windows = ([1] * spatial, [1] * spatial, "SAME")
   return conv_rules.windowed_outer(frames, d, use.kernel[:-2].as_list(), windows, m, var.dtype,
