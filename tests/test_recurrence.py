@@ -173,53 +173,85 @@ def test_loop_rule_matches_only_proven_loops(variant, rule, spatial):
       np.testing.assert_allclose(g[i], r, rtol=1e-4, atol=1e-6)
 
 
-def test_masks_take_rules_and_dropout_keeps_keras_loop():
-  """A mask (Masking, `mask_zero`) keeps the rules; recurrent dropout, and input dropout drawn per
-  gate (`implementation=1`), in training keep Keras' loop (its weights on the fallback). Both
-  exact (the zoo's `lstm_masked` checks values)."""
+def test_masks_take_rules_and_conv_lstm_dropout_keeps_keras_loop():
+  """A mask (Masking, `mask_zero`) keeps the rules; ConvLSTM's dropout (masks per gate of frames)
+  in training keeps Keras' loop (its weights on the fallback). Both exact (the zoo's `lstm_masked`
+  checks values)."""
   tf.keras.utils.set_random_seed(0)
-  cases = [([L.LSTM(3, recurrent_dropout=0.5)], ["fallback"] * 3),
-           ([L.Masking(), L.GRU(3)], ["outer", "outer", "rowsum"])]
-  # Keras 3's own GRU cannot run per-gate input masks outside its cell loop (a broadcast error).
-  cases += per_stack(keras3=[], keras2=[([L.GRU(3, dropout=0.5, implementation=1)],
-                                         ["fallback"] * 3)])
-  for layers, want in cases:
-    model = tf.keras.Sequential([L.Input((T, D)), *layers, L.Dense(2)])
+  cases = [((T, 4, D), L.ConvLSTM1D(2, 3, padding="same", dropout=0.5), ["fallback"] * 3),
+           ((T, D), L.Masking(), ["outer", "outer", "rowsum"])]
+  for shape, layer, want in cases:
+    after = [L.GRU(3)] if isinstance(layer, L.Masking) else [L.Flatten()]
+    model = tf.keras.Sequential([L.Input(shape), layer, *after, L.Dense(2)])
     recurrence.enable(model)
-    rules = engine_helpers.rules(model, _x(), tf.zeros([B, 2]))
+    x = tf.random.stateless_normal([B, *shape], seed=[3, 4])
+    rules = engine_helpers.rules(model, x, tf.zeros([B, 2]))
     assert rules == want + ["outer", "rowsum"], rules
 
 
-@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
-def test_input_dropout_takes_rules_exactly(layer):
-  """Input `dropout` in training: one mask per example and unit for every step, hoisted with the
-  input projection. Every variable on a rule, exact against each example's gradient of the same
-  pass (the same mask); in Keras 3 the mask is the cell's own, so the outputs equal those of Keras'
+def _stacked_cells():
+  return L.RNN(L.StackedRNNCells([L.LSTMCell(H, recurrent_dropout=0.5),
+                                  L.GRUCell(H, dropout=0.3)]), return_sequences=True)
+
+
+# case -> (the layer, its number of cells, whether its first cell drops inputs, h_{t-1}).
+_DROPOUT = {
+    "lstm_input": (lambda: L.LSTM(H, dropout=0.5), 1, True, False),
+    "gru_input": (lambda: L.GRU(H, dropout=0.5), 1, True, False),
+    "simple_rnn_input": (lambda: L.SimpleRNN(H, dropout=0.5), 1, True, False),
+    # Recurrent dropout implies Keras' `implementation=1`: one mask per gate, input and recurrent.
+    "lstm_recurrent": (lambda: L.LSTM(H, dropout=0.3, recurrent_dropout=0.5,
+                                      return_sequences=True), 1, True, True),
+    "gru_recurrent": (lambda: L.GRU(H, dropout=0.3, recurrent_dropout=0.5, go_backwards=True),
+                      1, True, True),
+    "gru_recurrent_reset_before": (lambda: L.GRU(H, recurrent_dropout=0.5, reset_after=False),
+                                   1, False, True),
+    "simple_rnn_recurrent": (lambda: L.SimpleRNN(H, dropout=0.3, recurrent_dropout=0.5), 1, True,
+                             True),
+    "stacked_cells": (_stacked_cells, 2, False, True),
+    # Keras 3's own loop cannot run this (a broadcast error in its `inner_loop`): no twin.
+    "lstm_input_per_gate": (lambda: L.LSTM(H, dropout=0.5, implementation=1), 1, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(_DROPOUT))
+def test_dropout_takes_rules_exactly(case):
+  """Input `dropout` and `recurrent_dropout` in training: masks per example and unit, the same at
+  every step (one for all gates, or one per gate as `implementation=1` draws them), applied to
+  the hoisted input projection and to h_{t-1} before each recurrent product, in each of stacked
+  cells too. Every variable on a rule, exact against each example's gradient of the same pass
+  (the same masks); in Keras 3 the masks are the cell's own, so the outputs equal those of Keras'
   loop in a twin model (the same weights and seed)."""
+  layer, cells, drops_inputs, drops_states = _DROPOUT[case]
+
   def build():
     tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([L.Input((T, D)), getattr(L, layer)(H, dropout=0.5), L.Dense(2)])
+    return tf.keras.Sequential([L.Input((T, D)), layer(), L.Flatten(), L.Dense(2)])
 
   keras_model, model = build(), build()
   recurrence.enable(model)
+  twin = per_stack(keras3=case != "lstm_input_per_gate", keras2=False)
   x, y, seen = _x(), tf.random.stateless_normal([B, 2], seed=[1, 2]), {}
 
   @tf.function
   def run(x, y):
-    keras_out, out = keras_model(x, training=True), model(x, training=True)
+    out = model(x, training=True)
+    keras_out = keras_model(x, training=True) if twin else out
     losses = engine_helpers.mse(y, out)
     grads = per_example.compute(losses, model.trainable_variables)
     seen["rules"] = grads.rules
     ref = [tf.gradients(losses[i], model.trainable_variables) for i in range(B)]
-    return keras_out, out, grads.materialize(), [tf.stack([r[v] for r in ref]) for v in range(5)]
+    return keras_out, out, grads.materialize(), [tf.stack(v) for v in zip(*ref)]
 
   keras_out, out, ours, ref = run(x, y)
-  assert seen["rules"] == ["outer", "outer", "rowsum", "outer", "rowsum"], seen["rules"]
+  assert seen["rules"] == ["outer", "outer", "rowsum"] * cells + ["outer", "rowsum"], seen["rules"]
   for g, r in zip(ours, ref):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
-  assert np.any(np.all(ours[0].numpy() == 0, axis=-1))  # Some inputs were dropped.
-  if per_stack(keras3=True, keras2=False):
-    np.testing.assert_allclose(out, keras_out, rtol=1e-5, atol=1e-6)
+  # Some inputs, and units of h_{t-1}, were dropped: zero rows of a gate's columns.
+  dropped = lambda g: np.any(np.all(g.numpy().reshape(B, g.shape[1], -1, H) == 0, axis=-1))
+  assert dropped(ours[0]) or not drops_inputs
+  assert dropped(ours[1]) or not drops_states
+  np.testing.assert_allclose(out, keras_out, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

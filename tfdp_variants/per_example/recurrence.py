@@ -23,7 +23,7 @@ whole kernel may round differently from Keras' four by a quarter of it each (flo
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -65,49 +65,55 @@ def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.T
   return z if bias is None else z + bias
 
 
-def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor, cell: Callable,
+def _loop(probes: list[tf.Tensor], states: list[tf.Tensor], kernels: list, cell: Callable,
           sequence: Optional[tf.Tensor] = None, mask: Optional[tf.Tensor] = None,
-          zero_output_for_mask: bool = False, second_probe: Optional[tf.Tensor] = None,
+          zero_output_for_mask: bool = False, dropped: Optional[Sequence[tf.Tensor]] = None,
+          deferred: bool = False,
           product: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = tf.matmul
           ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
-  """Runs `cell(r_t + probe_t, states, sequence_t) -> (h_t, states)` over the time-major (T, B, ·)
-  `probe` (and `sequence`, if given), r_t = product(states[0], U) (h_{t-1}·U, or ConvLSTM's
-  convolution); returns the last output, the outputs, example-major (B, T, ·), and the last
-  states.
+  """Runs `cell(z_t, states, sequence_t) -> (h_t, states)` over the time-major (T, B, ·)
+  `probes` (and `sequence`, if given); returns the last output, the outputs, example-major
+  (B, T, ·), and the last states.
 
-  Row t of the probe is read once, at step t, by the one `AddV2` that also takes r_t; h_{t-1} is
-  written to row t of the list `inputs`, which the loop outputs (the loop rules' proof).
-  Rows are read from lists (`TensorArray.unstack`), as Keras does: the gradient of a `tf.gather`
-  of a loop invariant would add a (T, B, K) tensor at every step. A time-major (T, B) `mask` keeps
-  an example's states at its masked steps and outputs its previous output there (or zeros), as
-  Keras' `backend.rnn` does.
+  Product g is r_g = product(a_g, U_g) + probe_g[t], U_g = kernels[g] (h·U, ConvLSTM's
+  convolution, or one gate's columns of U), its left operand a_g = h_{t-1}, or h_{t-1} ⊙ m_g with
+  `dropped` masks m_g (recurrent dropout: one (B, H) mask per product, the same at every step);
+  z_t is r_0, or the r_g concatenated on the last axis. With `deferred`, the last product is not
+  in z_t: the cell takes a fourth argument, `again(a) = product(a [⊙ m], U) + probe[t]` (GRU with
+  `reset_after=False`: (r ⊙ h_{t-1})·U).
 
-  With a `second_probe`, the cell takes a fourth argument, `again(a) = a·U + second_probe_t`, a
-  second product of U at step t (GRU with `reset_after=False`: (r ⊙ h_{t-1})·U): U enters the
-  loop a second time as its own tensor, and `a` is written to a second list, so that each product
-  has the proof of the first.
+  Each U_g enters the loop as its own tensor and is used once; row t of each probe is read once,
+  at step t, by the one `AddV2` that also takes its product; each a_g is written to row t of its
+  own list, which the loop outputs (the loop rules' proof). Rows are read from lists
+  (`TensorArray.unstack`), as Keras does: the gradient of a `tf.gather` of a loop invariant would
+  add a (T, B, K) tensor at every step. A time-major (T, B) `mask` keeps an example's states at
+  its masked steps and outputs its previous output there (or zeros), as Keras' `backend.rnn` does.
   """
-  steps = probe.shape[0] if probe.shape[0] is not None else tf.shape(probe)[0]
+  steps = probes[0].shape[0] if probes[0].shape[0] is not None else tf.shape(probes[0])[0]
   rows = lambda x: tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:]).unstack(x)
   lists = lambda: tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
-  probe = rows(probe)
+  probes = [rows(p) for p in probes]
   sequence = None if sequence is None else rows(sequence)
   mask = None if mask is None else rows(mask)
-  recurrent_kernel = tf.convert_to_tensor(recurrent_kernel)
-  if second_probe is not None:
-    second_probe, second_kernel = rows(second_probe), tf.identity(recurrent_kernel)
+  # Each product's own U (a kernel used twice enters twice): one use per loop input.
+  kernels = [tf.convert_to_tensor(k) for k in kernels]
+  kernels = [tf.identity(k) if any(k is j for j in kernels[:i]) else k
+             for i, k in enumerate(kernels)]
+  dropped = [None] * len(kernels) if dropped is None else list(dropped)
 
   def body(t, outputs, inputs, previous, *states):
-    h = states[0]
-    written = [h]
+    written = []
 
-    def again(a):
+    def r(g, a):
+      a = a if dropped[g] is None else a * dropped[g]
       written.append(a)
-      return product(a, second_kernel) + second_probe.read(t)
+      return product(a, kernels[g]) + probes[g].read(t)
 
-    z = product(h, recurrent_kernel) + probe.read(t)
+    direct = len(kernels) - deferred
+    z = [r(g, states[0]) for g in range(direct)]
+    z = z[0] if direct == 1 else tf.concat(z, -1)
     args = (z, list(states), None if sequence is None else sequence.read(t))
-    out, new_states = cell(*args, again) if second_probe is not None else cell(*args)
+    out, new_states = cell(*args, lambda a: r(direct, a)) if deferred else cell(*args)
     if mask is not None:
       keep = mask.read(t)
       for _ in range(out.shape.rank - 1):  # (B,) against (B, ·).
@@ -119,10 +125,20 @@ def _loop(probe: tf.Tensor, states: list[tf.Tensor], recurrent_kernel: tf.Tensor
 
   _, outputs, _, last, *states = tf.while_loop(  # A bound on the iterations: XLA needs it.
       lambda t, *_: t < steps, body,
-      (tf.constant(0), lists(), tuple(lists() for _ in range(1 + (second_probe is not None))),
-       tf.zeros_like(states[0]), *states),
+      (tf.constant(0), lists(), tuple(lists() for _ in kernels), tf.zeros_like(states[0]),
+       *states),
       maximum_iterations=steps)
   return last, _time_major(outputs.stack()), states
+
+
+def _gate_projections(x: tf.Tensor, kernel, bias, gates: int,
+                      masks: Optional[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+  """Keras' `implementation=1` input side: x_g·W_g (+ b_g) for each gate g, W_g (b_g) its columns
+  of W (b), x_g = x ⊙ m_g with one (B, D) input dropout mask per gate, or x; example-major."""
+  kernels = tf.split(kernel, gates, axis=1)
+  biases = [None] * gates if bias is None else tf.split(bias, gates, axis=-1)
+  xs = [x] * gates if masks is None else [x * tf.expand_dims(m, 1) for m in masks]
+  return [_project(xg, k, b) for xg, k, b in zip(xs, kernels, biases)]
 
 
 def _time_major(z: tf.Tensor) -> tf.Tensor:
@@ -152,11 +168,22 @@ def _lstm_cell(activation: Callable, recurrent_activation: Callable) -> Callable
 
 def lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
          activation: Callable, recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
-         zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
-  """Keras' LSTM (gates i, f, c, o): (last output, outputs (B, T, H), [h, c])."""
-  probe = _time_major(_project(x, kernel, bias))
-  return _loop(probe, [h0, c0], recurrent_kernel, _lstm_cell(activation, recurrent_activation),
-               **_masking(mask, zero_output_for_mask))
+         zero_output_for_mask: bool = False, input_masks: Optional[Sequence[tf.Tensor]] = None,
+         recurrent_masks: Optional[Sequence[tf.Tensor]] = None
+         ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' LSTM (gates i, f, c, o): (last output, outputs (B, T, H), [h, c]).
+
+  With dropout masks, one (B, ·) per gate (Keras' `implementation=1`, which recurrent dropout
+  implies), gate g is x_g·W_g + b_g + (h_{t-1} ⊙ m_g)·U_g, each product by its columns of W and U.
+  """
+  cell = _lstm_cell(activation, recurrent_activation)
+  masking = _masking(mask, zero_output_for_mask)
+  if input_masks is None and recurrent_masks is None:
+    probe = _time_major(_project(x, kernel, bias))
+    return _loop([probe], [h0, c0], [recurrent_kernel], cell, **masking)
+  probes = [_time_major(z) for z in _gate_projections(x, kernel, bias, 4, input_masks)]
+  return _loop(probes, [h0, c0], tf.split(recurrent_kernel, 4, axis=1), cell,
+               dropped=recurrent_masks, **masking)
 
 
 def _channels_last(t: tf.Tensor, lead: int, channels_first: bool, one_d: bool) -> tf.Tensor:
@@ -203,7 +230,7 @@ def conv_lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kern
   z = tf.reshape(z, [tf.shape(x)[0], x.shape[1] or tf.shape(x)[1], *z.shape[1:]])
   if bias is not None:
     z += bias
-  last, outputs, states = _loop(_time_major(z), [h0, c0], recurrent_kernel,
+  last, outputs, states = _loop([_time_major(z)], [h0, c0], [recurrent_kernel],
                                 _lstm_cell(activation, recurrent_activation),
                                 product=_same_conv, **_masking(mask, zero_output_for_mask))
   back = lambda t, lead: _keras_layout(t, lead, channels_first, one_d)
@@ -212,20 +239,26 @@ def conv_lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kern
 
 def simple_rnn(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias,
                activation: Callable, mask: Optional[tf.Tensor] = None,
-               zero_output_for_mask: bool = False) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
-  """Keras' SimpleRNN h_t = act(x_t·W + b + h_{t-1}·U): (last output, outputs, [h])."""
+               zero_output_for_mask: bool = False,
+               recurrent_masks: Optional[Sequence[tf.Tensor]] = None
+               ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+  """Keras' SimpleRNN h_t = act(x_t·W + b + (h_{t-1} [⊙ m])·U), m its one recurrent dropout mask:
+  (last output, outputs, [h])."""
 
   def cell(z, states, _):
     h = activation(z)
     return h, [h]
 
   probe = _time_major(_project(x, kernel, bias))
-  return _loop(probe, [h0], recurrent_kernel, cell, **_masking(mask, zero_output_for_mask))
+  return _loop([probe], [h0], [recurrent_kernel], cell, dropped=recurrent_masks,
+               **_masking(mask, zero_output_for_mask))
 
 
 def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation: Callable,
         recurrent_activation: Callable, mask: Optional[tf.Tensor] = None,
-        zero_output_for_mask: bool = False, reset_after: bool = True
+        zero_output_for_mask: bool = False, reset_after: bool = True,
+        input_masks: Optional[Sequence[tf.Tensor]] = None,
+        recurrent_masks: Optional[Sequence[tf.Tensor]] = None
         ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Keras' GRU (gates z, r, h): (last output, outputs, [h]).
 
@@ -238,28 +271,40 @@ def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation:
   (r ⊙ h)·U, each the columns it needs of a full product of U, so that each product is proven
   as the first (a second, recurrent flop for flop). Their probes are the two halves of one stacked
   x·W + b, whose unused columns get zero gradients.
+
+  With dropout masks, one (B, ·) per gate (Keras' `implementation=1`, which recurrent dropout
+  implies), each gate's products take its own columns of W and U, its inputs x ⊙ m_g and
+  h_{t-1} ⊙ m'_g (the candidate's r ⊙ h_{t-1} ⊙ m'_h); the update z ⊙ h_{t-1} reads h_{t-1}
+  undropped, as Keras' cell does.
   """
-  xw = tf.matmul(x, kernel)
   units = h0.shape[-1]
+  masking = _masking(mask, zero_output_for_mask)
+  per_gate = input_masks is not None or recurrent_masks is not None
+  if per_gate:
+    xw = _gate_projections(x, kernel, None, 3, input_masks)
+    kernels = tf.split(recurrent_kernel, 3, axis=1)
+  else:
+    xw = tf.matmul(x, kernel)
   if not reset_after:
-    both = tf.stack([xw, xw], axis=2)
-    if bias is not None:
-      both += bias
 
     def cell_before(rec, states, _, again):
       h = states[0]
       z = recurrent_activation(rec[:, :units])
       r = recurrent_activation(rec[:, units:2 * units])
-      h = z * h + (1 - z) * activation(again(r * h)[:, 2 * units:])
+      candidate = again(r * h)
+      h = z * h + (1 - z) * activation(candidate if per_gate else candidate[:, 2 * units:])
       return h, [h]
 
-    return _loop(_time_major(both[:, :, 0]), [h0], recurrent_kernel, cell_before,
-                 second_probe=_time_major(both[:, :, 1]), **_masking(mask, zero_output_for_mask))
-  # Stacked with x·W even without a bias, so that the analysis sees the probe's rows as examples'.
-  both = tf.stack([xw, tf.zeros_like(xw)], axis=2)
-  if bias is not None:
-    both += bias
-  xz, probe = both[:, :, 0], both[:, :, 1]
+    if per_gate:
+      biases = [None] * 3 if bias is None else tf.split(bias, 3)
+      probes = [_time_major(p if b is None else p + b) for p, b in zip(xw, biases)]
+      return _loop(probes, [h0], kernels, cell_before, dropped=recurrent_masks, deferred=True,
+                   **masking)
+    both = tf.stack([xw, xw], axis=2)
+    if bias is not None:
+      both += bias
+    return _loop([_time_major(both[:, :, 0]), _time_major(both[:, :, 1])], [h0],
+                 [recurrent_kernel, recurrent_kernel], cell_before, deferred=True, **masking)
 
   def cell(rec, states, xt):
     h = states[0]
@@ -270,5 +315,16 @@ def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation:
     h = z * h + (1 - z) * activation(x_h + r * r_h)
     return h, [h]
 
-  return _loop(_time_major(probe), [h0], recurrent_kernel, cell, _time_major(xz),
-               **_masking(mask, zero_output_for_mask))
+  # Stacked with x·W even without a bias, so that the analysis sees the probe's rows as examples'.
+  if per_gate:
+    both = [tf.stack([w, tf.zeros_like(w)], axis=2) for w in xw]
+    if bias is not None:
+      both = [b + part for b, part in zip(both, tf.split(bias, 3, axis=1))]
+    xz = tf.concat([b[:, :, 0] for b in both], -1)
+    return _loop([_time_major(b[:, :, 1]) for b in both], [h0], kernels, cell, _time_major(xz),
+                 dropped=recurrent_masks, **masking)
+  both = tf.stack([xw, tf.zeros_like(xw)], axis=2)
+  if bias is not None:
+    both += bias
+  xz, probe = both[:, :, 0], both[:, :, 1]
+  return _loop([_time_major(probe)], [h0], [recurrent_kernel], cell, _time_major(xz), **masking)

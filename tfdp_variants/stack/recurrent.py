@@ -4,11 +4,14 @@ In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer, or of
 of their cells (LSTMCell, GRUCell, SimpleRNNCell) or of `StackedRNNCells` of them, that
 `recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input
 projection hoisted out of the loop, the recurrent product proven by the "loop_matmul" or
-"loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Any other
-configuration keeps Keras' own loop, whose weights take the exact fallback: `unroll`, recurrent
-dropout or per-gate input dropout masks in training (input `dropout` of a cell with one mask is
-hoisted with the projection), a subclassed cell, dropout in stacked cells, constants, Keras 2's
-"causal" ConvLSTM1D, eager execution.
+"loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Dropout in
+training is drawn before the loop, masks the same at every step as Keras' cell draws them: input
+`dropout` with one mask multiplies x before the hoisted projection; per-gate masks (Keras'
+`implementation=1`, which `recurrent_dropout` implies) give each gate its own columns of W and U,
+its input x ⊙ m_g and its recurrent input h_{t-1} ⊙ m'_g. Any other configuration keeps Keras'
+own loop, whose weights take the exact fallback: `unroll`, ConvLSTM's dropout, a training flag
+that is not a Python `True`, a subclassed cell, constants, Keras 2's "causal" ConvLSTM1D, eager
+execution.
 """
 
 from __future__ import annotations
@@ -37,20 +40,41 @@ def _value(v, dtype: tf.DType) -> Optional[tf.Tensor]:
   return None if v is None else tf.cast(tf.convert_to_tensor(v), dtype)
 
 
-def _one_input_mask(cell, training) -> bool:
-  """Whether `cell` in training drops its inputs by one mask that this module can hoist: training
-  is True (not a tensor or None: Keras 2 decides those later), no recurrent dropout, and one mask
-  for all gates (Keras' `implementation=2`; implementation 1 and ConvLSTM draw one per gate)."""
-  return (training is True and not getattr(cell, "recurrent_dropout", 0)
-          and getattr(cell, "implementation", 2) != 1 and type(cell) is not _CONV_LSTM_CELL)
+def _hoistable_dropout(cell, training) -> bool:
+  """Whether `cell`'s dropout in training can be drawn before the loop, as masks the same at every
+  step: training is True (not a tensor or None: Keras 2 decides those later), each rate 0 or
+  strictly between 0 and 1 (Keras applies no dropout of rate 1), and not ConvLSTM (its masks
+  are per gate of frames)."""
+  rates = (cell.dropout, getattr(cell, "recurrent_dropout", 0))
+  return (training is True and type(cell) is not _CONV_LSTM_CELL
+          and all(0 <= rate < 1 for rate in rates))
 
 
-def _input_mask(cell, step: tf.Tensor) -> tf.Tensor:
-  """The cell's input dropout mask for one step's (B, D) input: Keras 3's own (drawn once per
-  call from the cell's seed generator by `RNN.call`), or, in Keras 2, one of the same law."""
-  if KERAS_3:
-    return cell.get_dropout_mask(step)
-  return tf.nn.dropout(tf.ones_like(step), rate=cell.dropout)
+# Keras' `implementation=1` (which recurrent dropout implies) draws a mask per gate.
+_GATES = {keras.layers.LSTMCell: 4, keras.layers.GRUCell: 3}
+
+
+def _dropout_masks(cell, step: tf.Tensor, state: tf.Tensor) -> Optional[tuple]:
+  """The cell's (input, recurrent) dropout masks, each None (no dropout) or a list of (B, ·)
+  masks, one per gate or one for all gates: Keras 3's own (drawn once per call from the cell's
+  seed generator by `RNN.call`), or, in Keras 2, masks of the same law. None if Keras 3 drew
+  another number of masks than the cell's implementation uses (Keras' loop runs then)."""
+  count = _GATES.get(type(cell), 1) if getattr(cell, "implementation", 2) == 1 else 1
+
+  def masks(rate, like, keras3_masks):
+    if not rate:
+      return None
+    if KERAS_3:
+      drawn = keras3_masks(like)
+      return list(drawn) if isinstance(drawn, (list, tuple)) else [drawn]
+    return [tf.nn.dropout(tf.ones_like(like), rate=rate) for _ in range(count)]
+
+  inputs = masks(cell.dropout, step, lambda like: cell.get_dropout_mask(like))
+  recurrent = masks(getattr(cell, "recurrent_dropout", 0), state,
+                    lambda like: cell.get_recurrent_dropout_mask(like))
+  if any(m is not None and len(m) != count for m in (inputs, recurrent)):
+    return None
+  return inputs, recurrent
 
 
 def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
@@ -71,14 +95,12 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   if (any(type(c) not in _CELLS for c in cells) or not recurrence.enabled(layer)
       or not tf.inside_function() or layer.unroll
       or len(masks) > 1 or (masks and masks[0].shape.rank != 2)
-      or (dropping and (stacked or not _one_input_mask(cell, training)))
+      or (dropping and not all(_hoistable_dropout(c, training) for c in cells))
       or (stacked and (_CONV_LSTM_CELL in map(type, cells)
                        or len(initial_state) != len(cells)))):
     return None
   dtype = tf.as_dtype(sequences.dtype)
   x, mask = sequences, (masks[0] if masks else None)
-  if dropping:  # One mask per example and input unit, the same at every step, as Keras' cell.
-    x = x * tf.expand_dims(tf.cast(_input_mask(cell, x[:, 0]), dtype), 1)
   if layer.go_backwards:  # Keras reverses the time, the mask's too.
     x, mask = tf.reverse(x, [1]), (None if mask is None else tf.reverse(mask, [1]))
   conv = type(cell) is _CONV_LSTM_CELL
@@ -86,10 +108,10 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   masking = {"mask": mask,
              "zero_output_for_mask": bool(layer.zero_output_for_mask) and (KERAS_3 or not conv)}
   if not stacked:
-    return _cell_loop(cell, x, tf.nest.flatten(initial_state), dtype, masking)
+    return _cell_loop(cell, x, tf.nest.flatten(initial_state), dtype, masking, dropping)
   states = []
   for c, state in zip(cells, initial_state):  # Each cell's loop over the outputs of the last.
-    ours = _cell_loop(c, x, tf.nest.flatten(state), dtype, masking)
+    ours = _cell_loop(c, x, tf.nest.flatten(state), dtype, masking, dropping)
     if ours is None:
       return None
     last, x, new = ours
@@ -97,23 +119,37 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   return last, x, states
 
 
-def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict
-               ) -> Optional[tuple]:
-  """`recurrence`'s loop of one built-in cell over x (in the order it is processed)."""
+def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict,
+               dropping: bool) -> Optional[tuple]:
+  """`recurrence`'s loop of one built-in cell over x (in the order it is processed), with the
+  cell's dropout masks if `dropping` (per example and unit, the same at every step, as Keras'
+  cell draws them; one input mask for all gates multiplies x before the hoisted projection)."""
+  dropped = {"input_masks": None, "recurrent_masks": None}
+  if dropping:
+    drawn = _dropout_masks(cell, x[:, 0], states[0])
+    if drawn is None:
+      return None
+    inputs, recurrent = (None if m is None else [tf.cast(mask_g, dtype) for mask_g in m]
+                         for m in drawn)
+    if inputs is not None and len(inputs) == 1:
+      x, inputs = x * tf.expand_dims(inputs[0], 1), None
+    dropped = {"input_masks": inputs, "recurrent_masks": recurrent}
+  input_masks = dropped["input_masks"]
   states = [tf.cast(s, dtype) for s in states]
   kernel, recurrent_kernel = _value(cell.kernel, dtype), _value(cell.recurrent_kernel, dtype)
   bias = _value(cell.bias, dtype) if cell.use_bias else None
   if type(cell) is keras.layers.LSTMCell and len(states) == 2:
     return recurrence.lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
-                           cell.recurrent_activation, **masking)
+                           cell.recurrent_activation, **masking, **dropped)
   if type(cell) is keras.layers.GRUCell and len(states) == 1:
     return recurrence.gru(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
                           cell.recurrent_activation, reset_after=bool(cell.reset_after),
-                          **masking)
-  if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1:
+                          **masking, **dropped)
+  if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1 and input_masks is None:
     return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
-                                 **masking)
-  if type(cell) is _CONV_LSTM_CELL and len(states) == 2 and cell.padding in ("same", "valid"):
+                                 recurrent_masks=dropped["recurrent_masks"], **masking)
+  if (type(cell) is _CONV_LSTM_CELL and len(states) == 2 and cell.padding in ("same", "valid")
+      and not dropping):
     return recurrence.conv_lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
                                 cell.recurrent_activation, cell.strides, cell.padding,
                                 cell.dilation_rate, cell.data_format == "channels_first",
