@@ -114,8 +114,10 @@ def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Opti
 _LOOPS = ("While", "StatelessWhile")
 
 
-def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set) -> list[Optional[tf.Tensor]]:
-  """`tf.gradients(y, xs)`, each loop of the `forward` ops told which of its inputs lie downstream
+def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set,
+               after: Sequence[tf.Tensor] = ()) -> list[Optional[tf.Tensor]]:
+  """`tf.gradients(y, xs)`, its seed (and so every op of the backward pass) made `after` the given
+  tensors, each loop of the `forward` ops told which of its inputs lie downstream
   of no x, as a GradientTape tells it (while_v2 reads `skip_input_indices`; graph-mode
   `tf.gradients` never sets it): the backward loop then accumulates no gradient for a captured
   input that no x depends on. A looped RNN's recurrent kernel is one: its rule reads the gradient
@@ -123,9 +125,11 @@ def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set) -> list[Optional
   is never needed. Only gradients that cannot reach any x are skipped, so the xs' are unchanged;
   loops of enclosing graphs, which the traversal from the xs does not enter, are left alone.
   """
+  with tf.control_dependencies(after):
+    seed = tf.identity(tf.ones_like(y))
   loops = [op for op in forward if op.type in _LOOPS and op.graph is y.graph]
   if not loops:
-    return tf.gradients(y, xs)
+    return tf.gradients(y, xs, grad_ys=seed)
   reached, frontier = set(), [c for x in xs for c in x.consumers() if c in forward]
   while frontier:
     op = frontier.pop()
@@ -137,7 +141,7 @@ def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set) -> list[Optional
     for op in loops:
       op.skip_input_indices = [i for i, t in enumerate(op.inputs)
                                if t.op not in reached and t.name not in names]
-    return tf.gradients(y, xs)
+    return tf.gradients(y, xs, grad_ys=seed)
   finally:
     for op in loops:
       del op.skip_input_indices
@@ -172,7 +176,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
     tape: the GradientTape that recorded the loss (needed eagerly).
     self_check: in a graph, compare the result with exact gradients on the first step after each
       trace and refuse models that mix examples (`self_check.guard`). Later steps pay one variable
-      read and a `tf.cond`. Under XLA (jit_compile), which drops assertions, a failure turns
+      read and two `tf.cond`s. Under XLA (jit_compile), which drops assertions, a failure turns
       every later result NaN instead of raising (`self_check`).
     checked_rules: the rules a self-check on a synthetic batch of the same model passed with
       (`preflight`): the in-step check is skipped only if this trace takes exactly these rules.
@@ -188,22 +192,32 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   forward = set(trace.ancestors(mb_losses))
   uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
+  # A check that will run whatever rules the step takes makes its exact gradients first.
+  first = (self_check_lib.exact_first(mb_losses, loss, handles, variables, early=True)
+           if self_check and checked_rules is None else None)
   grads = dict(zip((u.output.name for u in fast),
-                   _gradients(tf.reduce_sum(mb_losses), [u.output for u in fast], forward)))
+                   _gradients(tf.reduce_sum(mb_losses), [u.output for u in fast], forward,
+                              after=first.token if first else [])))
   slow = [v for v, h, vu in zip(variables, handles, uses) if h is not None and vu is None]
   slow_factors = iter(_fallback(mb_losses, m, graph, slow) if slow else [])
   unread = iter(_unread(graph, m, [v for v, h in zip(variables, handles) if h is None]))
 
   factors = []
+  # Rows reshaped by M: after the batch is checked; and after the check's exact gradients, like
+  # the backward pass (the rules' own ops on forward tensors, a conv's shifted inputs, would
+  # otherwise run early and be held while the check runs).
+  after = [mb_losses] + (first.token if first else [])
   for var, handle, var_uses in zip(variables, handles, uses):
-    with tf.control_dependencies([mb_losses]):  # Rows reshaped by M: after the batch is checked.
+    with tf.control_dependencies(after):
       factors.append(_variable_factor(var, handle, var_uses, grads, m, slow_factors, unread))
   result = PerExampleGradients(variables, factors, m).finite_only()
   if not self_check or (checked_rules is not None and
                         tuple(result.rules) == tuple(checked_rules)):
     return result
   dtypes = {mb_losses.dtype, *(u.output.dtype for u in fast)}
-  return self_check_lib.guard(result, mb_losses, loss, handles, dtypes)
+  if first is None:
+    first = self_check_lib.exact_first(mb_losses, loss, handles, variables, early=False)
+  return self_check_lib.guard(result, first, dtypes)
 
 
 def per_example_gradients(model: tf.keras.Model, loss_fn: Callable[[tf.Tensor, tf.Tensor],

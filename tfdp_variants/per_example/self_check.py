@@ -10,9 +10,10 @@ must vanish on the rows of every other microbatch: otherwise the model mixes exa
 statistics) and per-example gradients are undefined. Either failure raises InvalidArgumentError
 naming the variables or the input.
 
-The check sits under `tf.cond` on a flag made at trace time, and its backward passes are built
-inside the cond's branch (`tf.gradients` follows captured tensors into the enclosing graph), so a
-step after the first pays one variable read and the cond.
+The check sits under two `tf.cond`s on a flag made at trace time: the first computes the exact
+gradients (its backward passes are built inside the cond's branch: `tf.gradients` follows captured
+tensors into the enclosing graph) before the step's own backward pass starts, the second compares
+them with the engine's (`ExactFirst`). A step after the first pays one variable read and the conds.
 
 Under XLA (`jit_compile`, Keras 3's default on GPU), which drops assertions, a failed check cannot
 raise: it sets the trace's flag to "failed" instead, and from then on every result of the engine is
@@ -233,8 +234,8 @@ def _fill(template: str, value: tf.Tensor) -> tf.Tensor:
   return before + value + after
 
 
-def _exact(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: list[tf.Tensor],
-           checked: list[int], data: list[tf.Tensor], m: tf.Tensor, batch: tf.Tensor) -> tuple:
+def _exact(variables: list, mb_losses: tf.Tensor, sources: list[tf.Tensor], checked: list[int],
+           data: list[tf.Tensor], m: tf.Tensor, batch: tf.Tensor) -> tuple:
   """For microbatches 0 and M-1: the exact gradients of the `checked` variables (one
   `tf.gradients` each, no pfor, no rule), and per data input the gradient norm on other
   microbatches' rows, on its own rows, and whether the input has the batch's rows."""
@@ -244,8 +245,8 @@ def _exact(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: list[tf.Te
     # memory is one backward pass beside the step's, not two.
     with tf.control_dependencies([t for e in exact for t in e] + leaks):
       grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked] + data)
-    exact.append([tf.zeros(grads.variables[k].shape, grads.variables[k].dtype) if g is None else
-                  tf.reshape(tf.convert_to_tensor(g), grads.variables[k].shape)
+    exact.append([tf.zeros(variables[k].shape, variables[k].dtype) if g is None else
+                  tf.reshape(tf.convert_to_tensor(g), variables[k].shape)
                   for k, g in zip(checked, grads_i)])
     for g in grads_i[len(checked):]:
       if g is None:  # The input does not reach the loss.
@@ -258,17 +259,16 @@ def _exact(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: list[tf.Te
   return exact, leaks, owns, valids
 
 
-def _check(grads: PerExampleGradients, mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
-           data: list[tf.Tensor], batch: tf.Tensor, rtol: float, xla: bool) -> tf.Tensor:
+def _check(grads: PerExampleGradients, first: "ExactFirst", rtol: float) -> tf.Tensor:
   """The check's status, after its assertions (none under XLA); built in the current (branch)
   graph. A non-finite step (_NOT_RUN) is checked again on the next step."""
   m = tf.cast(grads.num_microbatches, tf.int32)
-  checked = [k for k, s in enumerate(sources) if s is not None]
+  checked, data, xla = first.checked, first.data, first.xla
   factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
   # The norms the step clips with, made outside the check (not made again here: a materialized
   # form would be, at the size of every per-example gradient).
   squared_norms = {k: grads.squared_norms()[k] for k in checked}
-  exact, leaks, owns, valids = _exact(grads, mb_losses, sources, checked, data, m, batch)
+  exact, leaks, owns, valids = first.values(grads.variables, m)
   q0, q1 = [tf.stack([_sq(g) for g in e] or [0.0]) for e in exact]  # Exact squared norms.
   finite = tf.reduce_all(tf.math.is_finite(tf.concat([q0, q1, tf.stack(leaks + owns or [0.0])], 0)))
   w = tf.one_hot(0, m) + 2 * tf.one_hot(m - 1, m)
@@ -334,21 +334,61 @@ def failed(flag: tf.Variable) -> bool:
   return int(flag.numpy()) == _FAILED
 
 
-def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
-          sources: Sequence[Optional[tf.Tensor]], dtypes: set[tf.DType]) -> PerExampleGradients:
-  """`grads`, whose results wait for the self-check of this trace.
+@dataclasses.dataclass
+class ExactFirst:
+  """The first half of a trace's check: its flag, whether this step runs the check (`runs`), and
+  the exact gradients of microbatches 0 and M-1 with the mixing measures (`_exact`).
+
+  Made by `exact_first` before the step's own backward pass, under a `tf.cond` of its own whose
+  outputs the step's backward pass waits for (`token`): the check's two backward passes then run
+  while the step's has not started, so the first step's peak memory is the larger of the two,
+  not their sum (at batch 1024 the Transformer's peak RSS was 3.65 GiB with the check after the
+  step's backward pass, 2.37 GiB without the check). The exact gradients leave that cond flat, of
+  size 0 on the steps that skip it. Under XLA, whose conds need outputs of one shape in both
+  branches, and for a check decided only after the step's backward pass (`checked_rules` that
+  do not match), they are made inside `guard`'s cond instead (`outputs` None)."""
+
+  flag: tf.Variable
+  runs: tf.Tensor
+  checked: list[int]
+  data: list[tf.Tensor]
+  mb_losses: tf.Tensor
+  sources: list
+  batch: tf.Tensor
+  xla: bool
+  outputs: Optional[list[tf.Tensor]] = None
+
+  @property
+  def token(self) -> list[tf.Tensor]:
+    """What the step's backward pass waits for: the first cond's outputs (none if made late)."""
+    return self.outputs or []
+
+  def values(self, variables: list, m: tf.Tensor) -> tuple:
+    """`_exact`'s results: from the first cond's outputs, or made here (in `guard`'s branch)."""
+    if self.outputs is None:
+      return _exact(variables, self.mb_losses, self.sources, self.checked, self.data, m,
+                    self.batch)
+    n, k = len(self.data), len(self.checked)
+    flat, rest = self.outputs[1:1 + 2 * k], self.outputs[1 + 2 * k:]
+    shaped = [tf.reshape(g, variables[j].shape) for g, j in zip(flat, self.checked * 2)]
+    return [shaped[:k], shaped[k:]], rest[:2 * n], rest[2 * n:4 * n], rest[4 * n:]
+
+
+def exact_first(mb_losses: tf.Tensor, loss: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
+                variables: list, early: bool) -> ExactFirst:
+  """The check's flag and first half (`ExactFirst`), made `early` (before the step's backward
+  pass: its own cond) where XLA is not compiling the graph, else left to `guard`.
 
   Args:
-    grads: the engine's result.
-    mb_losses: the (M,) microbatch losses it is the Jacobian of.
+    mb_losses: the (M,) microbatch losses the engine gives the Jacobian of.
     loss: the per-example losses, (B, ...).
     sources: per variable, the tensor `tf.gradients` differentiates for it (its captured handle),
       or None for a variable the check cannot differentiate (its gradient came from a tape).
-    dtypes: the dtypes the per-example computation ran in; float16 widens the tolerance.
+    variables: the variables.
+    early: whether the check will run whatever rules the step takes.
   """
   graph = mb_losses.graph
   xla = control_flow_util.GraphOrParentsInXlaContext(graph)
-  rtol = max(_RTOL.get(d, 1e-3) for d in dtypes)
   proven = loss.name in _PROVEN.get(graph, ())
   data = [] if proven else data_inputs(graph, loss.shape[0])
   if not data and not proven:
@@ -358,19 +398,48 @@ def guard(grads: PerExampleGradients, mb_losses: tf.Tensor, loss: tf.Tensor,
   with tf.init_scope():  # A fresh flag per trace: every retrace is checked again.
     flag = resource_variable_ops.ResourceVariable(_NOT_RUN, trainable=False,
                                                   name="per_example_self_check")
+  m = tf.shape(mb_losses)[0]
+  # An empty batch (Poisson sampling) has no microbatch to check: it is checked on a later step.
+  runs = tf.logical_and(tf.equal(flag.read_value(), _NOT_RUN), m > 0)
+  first = ExactFirst(flag, runs, [k for k, s in enumerate(sources) if s is not None], data,
+                     mb_losses, list(sources), tf.shape(loss)[0], xla)
+  if not early or xla:
+    return first
+
+  def run():
+    exact, leaks, owns, valids = first.values(variables, m)
+    return ([tf.constant(True)] + [tf.reshape(g, [-1]) for e in exact for g in e] + leaks + owns
+            + valids)
+
+  def skip():
+    n = len(data)
+    return ([tf.constant(True)] + [tf.zeros([0], variables[k].dtype) for k in first.checked * 2]
+            + [tf.constant(0.0)] * (4 * n) + [tf.constant(False)] * (2 * n))
+
+  first.outputs = tf.cond(runs, run, skip)
+  return first
+
+
+def guard(grads: PerExampleGradients, first: ExactFirst,
+          dtypes: set[tf.DType]) -> PerExampleGradients:
+  """`grads`, whose results wait for the self-check of this trace (`first`: its first half).
+
+  Args:
+    grads: the engine's result.
+    first: `exact_first`'s result for the same step.
+    dtypes: the dtypes the per-example computation ran in; float16 widens the tolerance.
+  """
+  rtol = max(_RTOL.get(d, 1e-3) for d in dtypes)
+  flag = first.flag
 
   def check():
-    return flag.assign(_check(grads, mb_losses, sources, data, tf.shape(loss)[0], rtol, xla),
-                       read_value=True)
+    return flag.assign(_check(grads, first, rtol), read_value=True)
 
-  current = flag.read_value()
-  # An empty batch (Poisson sampling) has no microbatch to check: it is checked on a later step.
-  runs = tf.logical_and(tf.equal(current, _NOT_RUN), grads.num_microbatches > 0)
-  status = tf.cond(runs, check, lambda: current)
-  factors = [_Checked(f, status, xla) for f in grads.factors]
+  status = tf.cond(first.runs, check, lambda: flag.read_value())
+  factors = [_Checked(f, status, first.xla) for f in grads.factors]
   checked = type(grads)(grads.variables, factors, grads.num_microbatches,
                         [f._after(s) for f, s in zip(factors, grads.squared_norms())],
                         grads.all_finite,
-                        grads.unmasked and [_Checked(f, status, xla) for f in grads.unmasked])
+                        grads.unmasked and [_Checked(f, status, first.xla) for f in grads.unmasked])
   checked.self_check_flag = flag
   return checked
