@@ -135,6 +135,13 @@ def _lstm_layers() -> list:
   return [L.Input((64,), dtype="int32"), L.Embedding(8000, 64), L.LSTM(128), L.Dense(2)]
 
 
+def _lstm_dropout_layers() -> list:
+  """The LSTM workload as text models train it: input and recurrent dropout (Keras' per-gate
+  `implementation=1`)."""
+  return [L.Input((64,), dtype="int32"), L.Embedding(8000, 64),
+          L.LSTM(128, dropout=0.2, recurrent_dropout=0.2), L.Dense(2)]
+
+
 def _groupnorm_cnn_layers() -> list:
   layers = [L.Input((32, 32, 3))]
   for filters, stride in ((32, 1), (64, 2), (128, 2)):
@@ -158,6 +165,10 @@ WORKLOADS = {
     "lstm": Workload("looped LSTM", _lstm_layers,
                      lambda rng, b: (rng.integers(0, 8000, (b, 64), np.int32),
                                      rng.integers(0, 2, b)), 64),
+    "lstm_dropout": Workload("looped LSTM, dropout and recurrent dropout 0.2",
+                             _lstm_dropout_layers, lambda rng, b: (
+                                 rng.integers(0, 8000, (b, 64), np.int32), rng.integers(0, 2, b)),
+                             64),
     "groupnorm_cnn": Workload("GroupNorm convnet", _groupnorm_cnn_layers,
                               lambda rng, b: (rng.random((b, 32, 32, 3), np.float32),
                                               rng.integers(0, 10, b)), 64),
