@@ -238,7 +238,8 @@ def test_dropout_takes_rules_exactly(case):
     out = model(x, training=True)
     keras_out = keras_model(x, training=True) if twin else out
     losses = engine_helpers.mse(y, out)
-    grads = per_example.compute(losses, model.trainable_variables)
+    # No self-check: the rules' own results are what the references judge.
+    grads = per_example.compute(losses, model.trainable_variables, self_check=False)
     seen["rules"] = grads.rules
     ref = [tf.gradients(losses[i], model.trainable_variables) for i in range(B)]
     return keras_out, out, grads.materialize(), [tf.stack(v) for v in zip(*ref)]
