@@ -173,10 +173,10 @@ def test_loop_rule_matches_only_proven_loops(variant, rule, spatial):
       np.testing.assert_allclose(g[i], r, rtol=1e-4, atol=1e-6)
 
 
-def test_masks_take_rules_and_conv_lstm_dropout_keeps_keras_loop():
-  """A mask (Masking, `mask_zero`) keeps the rules; ConvLSTM's dropout (masks per gate of frames)
-  in training keeps Keras' loop (its weights on the fallback). Both exact (the zoo's `lstm_masked`
-  checks values)."""
+def test_masks_take_rules_and_conv_lstm_1d_dropout_keeps_keras_loop():
+  """A mask (Masking, `mask_zero`) keeps the rules; ConvLSTM1D's dropout in training keeps Keras'
+  loop (its weights on the fallback: the per-gate kernel blocks would be read through the
+  expansion to 2-D). Both exact (the zoo's `lstm_masked` checks values)."""
   tf.keras.utils.set_random_seed(0)
   cases = [((T, 4, D), L.ConvLSTM1D(2, 3, padding="same", dropout=0.5), ["fallback"] * 3),
            ((T, D), L.Masking(), ["outer", "outer", "rowsum"])]
@@ -211,7 +211,11 @@ _DROPOUT = {
     "stacked_cells": (_stacked_cells, 2, False, True),
     # Keras 3's own loop cannot run this (a broadcast error in its `inner_loop`): no twin.
     "lstm_input_per_gate": (lambda: L.LSTM(H, dropout=0.5, implementation=1), 1, True, False),
+    # Masks of frames (no whole kernel row is dropped: the last two fields do not apply).
+    "conv_lstm_2d": (lambda: L.ConvLSTM2D(2, 3, padding="same", dropout=0.3,
+                                          recurrent_dropout=0.4), 1, False, False),
 }
+_SHAPES = {"conv_lstm_2d": (T, 4, 4, D)}
 
 
 @pytest.mark.parametrize("case", list(_DROPOUT))
@@ -219,19 +223,21 @@ def test_dropout_takes_rules_exactly(case):
   """Input `dropout` and `recurrent_dropout` in training: masks per example and unit, the same at
   every step (one for all gates, or one per gate as `implementation=1` draws them), applied to
   the hoisted input projection and to h_{t-1} before each recurrent product, in each of stacked
-  cells too. Every variable on a rule, exact against each example's gradient of the same pass
-  (the same masks); in Keras 3 the masks are the cell's own, so the outputs equal those of Keras'
-  loop in a twin model (the same weights and seed)."""
+  cells and in ConvLSTM2D (masks of frames) too. Every variable on a rule, exact against each
+  example's gradient of the same pass (the same masks); in Keras 3 the masks are the cell's own,
+  so the outputs equal those of Keras' loop in a twin model (the same weights and seed)."""
   layer, cells, drops_inputs, drops_states = _DROPOUT[case]
 
   def build():
     tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([L.Input((T, D)), layer(), L.Flatten(), L.Dense(2)])
+    return tf.keras.Sequential([L.Input(_SHAPES.get(case, (T, D))), layer(), L.Flatten(),
+                                L.Dense(2)])
 
   keras_model, model = build(), build()
   recurrence.enable(model)
   twin = per_stack(keras3=case != "lstm_input_per_gate", keras2=False)
-  x, y, seen = _x(), tf.random.stateless_normal([B, 2], seed=[1, 2]), {}
+  x = _x(*_SHAPES.get(case, (T, D))[1:-1])
+  y, seen = tf.random.stateless_normal([B, 2], seed=[1, 2]), {}
 
   @tf.function
   def run(x, y):
@@ -250,8 +256,8 @@ def test_dropout_takes_rules_exactly(case):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
   # Some inputs, and units of h_{t-1}, were dropped: zero rows of a gate's columns.
   dropped = lambda g: np.any(np.all(g.numpy().reshape(B, g.shape[1], -1, H) == 0, axis=-1))
-  assert dropped(ours[0]) or not drops_inputs
-  assert dropped(ours[1]) or not drops_states
+  assert not drops_inputs or dropped(ours[0])
+  assert not drops_states or dropped(ours[1])
   np.testing.assert_allclose(out, keras_out, rtol=1e-5, atol=1e-6)
 
 

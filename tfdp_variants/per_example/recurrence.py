@@ -210,14 +210,18 @@ def _same_conv(h: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
 def conv_lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kernel, bias,
               activation: Callable, recurrent_activation: Callable, strides: tuple[int, ...],
               padding: str, dilations: tuple[int, ...], channels_first: bool = False,
-              mask: Optional[tf.Tensor] = None, zero_output_for_mask: bool = False
+              mask: Optional[tf.Tensor] = None, zero_output_for_mask: bool = False,
+              input_masks: Optional[Sequence[tf.Tensor]] = None,
+              recurrent_masks: Optional[Sequence[tf.Tensor]] = None
               ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
   """Keras' ConvLSTM1D/2D/3D cell (gates i, f, c, o on the channels) over x (B, T, *spatial, C),
   or (B, T, C, *spatial) `channels_first`: (last output, outputs (B, T, ·), [h, c]).
 
   Computed channels last, a 1-D one as a 2-D one of height 1 (its kernels expanded outside the
   loop): the input conv of all B·T frames at once, plus the bias, is the probe; the recurrent conv
-  of h_{t-1} (Keras' `recurrent_conv`) is the loop's product (the "loop_conv" rule).
+  of h_{t-1} (Keras' `recurrent_conv`) is the loop's product (the "loop_conv" rule). With dropout
+  masks (one per gate, of a frame's and of h's shape, in Keras' layout; 2-D and 3-D only), each
+  gate convolves x ⊙ m_g and h_{t-1} ⊙ m'_g by its own channels of the kernels, as Keras' cell.
   """
   one_d = x.shape.rank == 4
   layout = lambda t, lead: _channels_last(t, lead, channels_first, one_d)
@@ -225,13 +229,24 @@ def conv_lstm(x: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor, kernel, recurrent_kern
   if one_d:
     kernel, recurrent_kernel = tf.expand_dims(kernel, 0), tf.expand_dims(recurrent_kernel, 0)
     strides, dilations = (1, *strides), (1, *dilations)
-  z = tf.nn.convolution(tf.reshape(x, [-1, *x.shape[2:]]), kernel, strides, padding.upper(),
-                        dilations=dilations)
-  z = tf.reshape(z, [tf.shape(x)[0], x.shape[1] or tf.shape(x)[1], *z.shape[1:]])
-  if bias is not None:
-    z += bias
-  last, outputs, states = _loop([_time_major(z)], [h0, c0], [recurrent_kernel],
-                                _lstm_cell(activation, recurrent_activation),
+
+  def input_conv(frames, w, b):
+    z = tf.nn.convolution(tf.reshape(frames, [-1, *frames.shape[2:]]), w, strides,
+                          padding.upper(), dilations=dilations)
+    z = tf.reshape(z, [tf.shape(x)[0], x.shape[1] or tf.shape(x)[1], *z.shape[1:]])
+    return z if b is None else z + b
+
+  if input_masks is None and recurrent_masks is None:
+    probes, kernels, dropped = [input_conv(x, kernel, bias)], [recurrent_kernel], None
+  else:  # Per gate: each mask in the frames' layout, the same for every frame.
+    frames = ([x] * 4 if input_masks is None else
+              [x * tf.expand_dims(layout(m, 1), 1) for m in input_masks])
+    biases = [None] * 4 if bias is None else tf.split(bias, 4)
+    probes = [input_conv(f, w, b) for f, w, b in zip(frames, tf.split(kernel, 4, -1), biases)]
+    kernels = tf.split(recurrent_kernel, 4, -1)
+    dropped = None if recurrent_masks is None else [layout(m, 1) for m in recurrent_masks]
+  last, outputs, states = _loop([_time_major(z) for z in probes], [h0, c0], kernels,
+                                _lstm_cell(activation, recurrent_activation), dropped=dropped,
                                 product=_same_conv, **_masking(mask, zero_output_for_mask))
   back = lambda t, lead: _keras_layout(t, lead, channels_first, one_d)
   return back(last, 1), back(outputs, 2), [back(s, 1) for s in states]

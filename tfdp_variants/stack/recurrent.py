@@ -8,10 +8,10 @@ projection hoisted out of the loop, the recurrent product proven by the "loop_ma
 training is drawn before the loop, masks the same at every step as Keras' cell draws them: input
 `dropout` with one mask multiplies x before the hoisted projection; per-gate masks (Keras'
 `implementation=1`, which `recurrent_dropout` implies) give each gate its own columns of W and U,
-its input x ⊙ m_g and its recurrent input h_{t-1} ⊙ m'_g. Any other configuration keeps Keras'
-own loop, whose weights take the exact fallback: `unroll`, ConvLSTM's dropout, a training flag
-that is not a Python `True`, a subclassed cell, constants, Keras 2's "causal" ConvLSTM1D, eager
-execution.
+its input x ⊙ m_g and its recurrent input h_{t-1} ⊙ m'_g (ConvLSTM2D/3D's masks of frames too).
+Any other configuration keeps Keras' own loop, whose weights take the exact fallback: `unroll`,
+ConvLSTM1D's dropout, a training flag that is not a Python `True`, a subclassed cell, constants,
+Keras 2's "causal" ConvLSTM1D, eager execution.
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ def _value(v, dtype: tf.DType) -> Optional[tf.Tensor]:
 def _hoistable_dropout(cell, training) -> bool:
   """Whether `cell`'s dropout in training can be drawn before the loop, as masks the same at every
   step: training is True (not a tensor or None: Keras 2 decides those later), each rate 0 or
-  strictly between 0 and 1 (Keras applies no dropout of rate 1), and not ConvLSTM (its masks
-  are per gate of frames)."""
+  strictly between 0 and 1 (Keras applies no dropout of rate 1), and not ConvLSTM1D (its
+  kernel's per-gate blocks would be read through the expansion to 2-D, which no rule follows)."""
   rates = (cell.dropout, getattr(cell, "recurrent_dropout", 0))
-  return (training is True and type(cell) is not _CONV_LSTM_CELL
-          and all(0 <= rate < 1 for rate in rates))
+  return (training is True and all(0 <= rate < 1 for rate in rates)
+          and not (type(cell) is _CONV_LSTM_CELL and cell.rank == 1))
 
 
-# Keras' `implementation=1` (which recurrent dropout implies) draws a mask per gate.
-_GATES = {keras.layers.LSTMCell: 4, keras.layers.GRUCell: 3}
+# Keras' `implementation=1` (which recurrent dropout implies) draws a mask per gate; ConvLSTM's
+# cell always does.
+_GATES = {keras.layers.LSTMCell: 4, keras.layers.GRUCell: 3, _CONV_LSTM_CELL: 4}
 
 
 def _dropout_masks(cell, step: tf.Tensor, state: tf.Tensor) -> Optional[tuple]:
@@ -59,7 +60,8 @@ def _dropout_masks(cell, step: tf.Tensor, state: tf.Tensor) -> Optional[tuple]:
   masks, one per gate or one for all gates: Keras 3's own (drawn once per call from the cell's
   seed generator by `RNN.call`), or, in Keras 2, masks of the same law. None if Keras 3 drew
   another number of masks than the cell's implementation uses (Keras' loop runs then)."""
-  count = _GATES.get(type(cell), 1) if getattr(cell, "implementation", 2) == 1 else 1
+  per_gate = getattr(cell, "implementation", 2) == 1 or type(cell) is _CONV_LSTM_CELL
+  count = _GATES.get(type(cell), 1) if per_gate else 1
 
   def masks(rate, like, keras3_masks):
     if not rate:
@@ -148,12 +150,11 @@ def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict,
   if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1 and input_masks is None:
     return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
                                  recurrent_masks=dropped["recurrent_masks"], **masking)
-  if (type(cell) is _CONV_LSTM_CELL and len(states) == 2 and cell.padding in ("same", "valid")
-      and not dropping):
+  if type(cell) is _CONV_LSTM_CELL and len(states) == 2 and cell.padding in ("same", "valid"):
     return recurrence.conv_lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
                                 cell.recurrent_activation, cell.strides, cell.padding,
                                 cell.dilation_rate, cell.data_format == "channels_first",
-                                **masking)
+                                **masking, **dropped)
   return None
 
 
