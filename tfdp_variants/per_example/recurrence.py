@@ -330,16 +330,13 @@ def gru(x: tf.Tensor, h0: tf.Tensor, kernel, recurrent_kernel, bias, activation:
     h = z * h + (1 - z) * activation(x_h + r * r_h)
     return h, [h]
 
-  # Stacked with x·W even without a bias, so that the analysis sees the probe's rows as examples'.
-  if per_gate:
-    both = [tf.stack([w, tf.zeros_like(w)], axis=2) for w in xw]
-    if bias is not None:
-      both = [b + part for b, part in zip(both, tf.split(bias, 3, axis=1))]
-    xz = tf.concat([b[:, :, 0] for b in both], -1)
-    return _loop([_time_major(b[:, :, 1]) for b in both], [h0], kernels, cell, _time_major(xz),
-                 dropped=recurrent_masks, **masking)
-  both = tf.stack([xw, tf.zeros_like(xw)], axis=2)
-  if bias is not None:
-    both += bias
-  xz, probe = both[:, :, 0], both[:, :, 1]
-  return _loop([_time_major(probe)], [h0], [recurrent_kernel], cell, _time_major(xz), **masking)
+  # Per block of gates (all three, or each): x·W and zeros stacked, even without a bias, so that
+  # the analysis sees the probe's rows as examples'; both biases added at once.
+  if not per_gate:
+    xw, kernels = [xw], [recurrent_kernel]
+  biases = [None] * len(xw) if bias is None else tf.split(bias, len(xw), axis=1)
+  both = [tf.stack([w, tf.zeros_like(w)], axis=2) for w in xw]
+  both = [b if part is None else b + part for b, part in zip(both, biases)]
+  xz = tf.concat([b[:, :, 0] for b in both], -1)
+  return _loop([_time_major(b[:, :, 1]) for b in both], [h0], kernels, cell, _time_major(xz),
+               dropped=recurrent_masks, **masking)

@@ -58,8 +58,9 @@ _GATES = {keras.layers.LSTMCell: 4, keras.layers.GRUCell: 3, _CONV_LSTM_CELL: 4}
 def _dropout_masks(cell, step: tf.Tensor, state: tf.Tensor) -> Optional[tuple]:
   """The cell's (input, recurrent) dropout masks, each None (no dropout) or a list of (B, ·)
   masks, one per gate or one for all gates: Keras 3's own (drawn once per call from the cell's
-  seed generator by `RNN.call`), or, in Keras 2, masks of the same law. None if Keras 3 drew
-  another number of masks than the cell's implementation uses (Keras' loop runs then)."""
+  seed generator by `RNN.call`), or, in Keras 2, masks of the same law. None if Keras 3 gave
+  another number of masks than the cell's implementation uses, or none for a nonzero rate
+  (Keras' loop runs then: never a step without the dropout asked for)."""
   per_gate = getattr(cell, "implementation", 2) == 1 or type(cell) is _CONV_LSTM_CELL
   count = _GATES.get(type(cell), 1) if per_gate else 1
 
@@ -74,7 +75,8 @@ def _dropout_masks(cell, step: tf.Tensor, state: tf.Tensor) -> Optional[tuple]:
   inputs = masks(cell.dropout, step, lambda like: cell.get_dropout_mask(like))
   recurrent = masks(getattr(cell, "recurrent_dropout", 0), state,
                     lambda like: cell.get_recurrent_dropout_mask(like))
-  if any(m is not None and len(m) != count for m in (inputs, recurrent)):
+  if any(m is not None and (len(m) != count or any(g is None for g in m))
+         for m in (inputs, recurrent)):
     return None
   return inputs, recurrent
 
@@ -126,17 +128,16 @@ def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict,
   """`recurrence`'s loop of one built-in cell over x (in the order it is processed), with the
   cell's dropout masks if `dropping` (per example and unit, the same at every step, as Keras'
   cell draws them; one input mask for all gates multiplies x before the hoisted projection)."""
-  dropped = {"input_masks": None, "recurrent_masks": None}
+  input_masks = recurrent_masks = None
   if dropping:
     drawn = _dropout_masks(cell, x[:, 0], states[0])
     if drawn is None:
       return None
-    inputs, recurrent = (None if m is None else [tf.cast(mask_g, dtype) for mask_g in m]
-                         for m in drawn)
-    if inputs is not None and len(inputs) == 1:
-      x, inputs = x * tf.expand_dims(inputs[0], 1), None
-    dropped = {"input_masks": inputs, "recurrent_masks": recurrent}
-  input_masks = dropped["input_masks"]
+    input_masks, recurrent_masks = (None if m is None else [tf.cast(g, dtype) for g in m]
+                                    for m in drawn)
+    if input_masks is not None and len(input_masks) == 1:
+      x, input_masks = x * tf.expand_dims(input_masks[0], 1), None
+  dropped = {"input_masks": input_masks, "recurrent_masks": recurrent_masks}
   states = [tf.cast(s, dtype) for s in states]
   kernel, recurrent_kernel = _value(cell.kernel, dtype), _value(cell.recurrent_kernel, dtype)
   bias = _value(cell.bias, dtype) if cell.use_bias else None
@@ -149,7 +150,7 @@ def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict,
                           **masking, **dropped)
   if type(cell) is keras.layers.SimpleRNNCell and len(states) == 1 and input_masks is None:
     return recurrence.simple_rnn(x, states[0], kernel, recurrent_kernel, bias, cell.activation,
-                                 recurrent_masks=dropped["recurrent_masks"], **masking)
+                                 recurrent_masks=recurrent_masks, **masking)
   if type(cell) is _CONV_LSTM_CELL and len(states) == 2 and cell.padding in ("same", "valid"):
     return recurrence.conv_lstm(x, *states, kernel, recurrent_kernel, bias, cell.activation,
                                 cell.recurrent_activation, cell.strides, cell.padding,
