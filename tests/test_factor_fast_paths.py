@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import gradients
 
 
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
@@ -54,6 +55,23 @@ def test_masked_outer_zeroes_non_finite_rows(t, materialized, by_blocks, monkeyp
   np.testing.assert_allclose(masked.materialize(0, 4).numpy(), g, rtol=1e-5)
   np.testing.assert_allclose(masked.gram().numpy(), np.einsum("mko,nko->mn", g, g), rtol=1e-5,
                              atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e25, 1e-30])
+def test_float32_norms_by_blocks_hold_or_take_the_float64_sum(scale, monkeypatch):
+  """A materialized `Outer` of blocks sums its float32 norms block by block (one block all zero):
+  a row whose squares float32 cannot hold (overflow, flushed) is +inf there, and the engine's
+  float64 sum replaces it."""
+  monkeypatch.setattr(F.Outer, "_prefers_materialized", lambda self: True)
+  rng = np.random.default_rng(5)
+  a, d = rng.normal(size=(3, 4, 3)) * scale, rng.normal(size=(3, 4, 2))
+  a[:, :, 1] = 0.0
+  outer = F.Outer.of_blocks([tf.constant(a[:, :, i:i + 1], tf.float32) for i in range(3)],
+                            tf.constant(d, tf.float32), (3, 2))
+  fast = tf.function(lambda: outer.squared_norms(exact=False))().numpy()
+  assert np.all(np.isinf(fast)) if scale != 1.0 else np.all(np.isfinite(fast))
+  got = tf.function(lambda: gradients._squared_norms([outer])[0])().numpy()
+  np.testing.assert_allclose(got, _reference(a, d, np.ones(3, bool), np.ones(3))[0], rtol=1e-5)
 
 
 def test_masked_row_sum_and_gather():

@@ -59,23 +59,28 @@ def in_xla() -> bool:
   return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
-def _sum_sq(x: tf.Tensor, exact: bool = True) -> tf.Tensor:
-  """(M,) float64 sums of squares over all axes but the first (+inf for a non-finite row).
+def _sum_sq(x, exact: bool = True) -> tf.Tensor:
+  """(M,) float64 sums of squares over all axes but the first (+inf for a non-finite row), of a
+  tensor or of a list of blocks whose rows together make each row.
 
   With `exact=False`, a float32 `x` is summed in float32, and a row whose sum float32 may not hold
   to its rounding (overflow, NaN, a norm under √N·2⁻⁵¹) is +inf: the caller takes the exact sum.
   """
-  m, xla = tf.shape(x)[0], in_xla()
-  if exact or x.dtype != tf.float32 or xla:
-    flat = tf.reshape(tf.cast(x, tf.float64), [m, -1])
-    if xla:
-      return _nan_to_inf(tf.reduce_sum(tf.square(flat), axis=1))  # XLA fuses the two.
-    # One pass over the float64 rows (XLA has no EuclideanNorm), squared on the (M,) vector.
-    return _nan_to_inf(tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))
-  flat = tf.reshape(x, [m, -1])
-  norm = tf.math.reduce_euclidean_norm(flat, axis=1)
-  width = flat.shape[1] if flat.shape[1] is not None else tf.shape(flat)[1]
-  smallest = tf.sqrt(tf.cast(width, tf.float32)) * _FLUSH_BOUND
+  blocks = x if isinstance(x, (list, tuple)) else [x]
+  m, xla = tf.shape(blocks[0])[0], in_xla()
+  if exact or blocks[0].dtype != tf.float32 or xla:
+    flats = [tf.reshape(tf.cast(b, tf.float64), [m, -1]) for b in blocks]
+    if xla:  # XLA fuses the two.
+      return _nan_to_inf(tf.add_n([tf.reduce_sum(tf.square(f), axis=1) for f in flats]))
+    # One pass over the float64 rows (XLA has no EuclideanNorm), squared on the (M,) vectors.
+    return _nan_to_inf(tf.add_n([tf.square(tf.math.reduce_euclidean_norm(f, axis=1))
+                                 for f in flats]))
+  flats = [tf.reshape(b, [m, -1]) for b in blocks]
+  norm = (tf.math.reduce_euclidean_norm(flats[0], axis=1) if len(flats) == 1 else
+          tf.sqrt(tf.add_n([tf.square(tf.math.reduce_euclidean_norm(f, axis=1)) for f in flats])))
+  widths = [f.shape[1] if f.shape[1] is not None else tf.shape(f)[1] for f in flats]
+  smallest = tf.sqrt(tf.cast(tf.add_n(widths) if len(widths) > 1 else widths[0],
+                             tf.float32)) * _FLUSH_BOUND
   held = tf.logical_and(tf.math.is_finite(norm), norm >= smallest)
   return tf.where(held, tf.square(tf.cast(norm, tf.float64)),
                   tf.constant(float("inf"), tf.float64))
@@ -144,7 +149,7 @@ class Outer:
   a: tf.Tensor
   d: tf.Tensor
   shape: tuple[int, ...]
-  _materialized: Optional[tf.Tensor] = None
+  _materialized: Optional[tuple[tf.Tensor, ...]] = None
   keep: Optional[tf.Tensor] = None
   blocks: Optional[tuple[tf.Tensor, ...]] = None
 
@@ -167,32 +172,39 @@ class Outer:
   def _rows_d(self) -> tf.Tensor:
     return _rows(self.d, self.keep)
 
-  def _product(self, start=0, stop=None) -> tf.Tensor:
-    """(stop - start, K, O) Σ_t A[m,t]ᵀ D[m,t] for microbatches start..stop (rows not kept included)."""
+  def _product(self, start=0, stop=None) -> tuple[tf.Tensor, ...]:
+    """Σ_t A[m,t]ᵀ D[m,t] for microbatches start..stop (rows not kept included), in blocks of K:
+    (stop - start, K_b, O) each, one per block of A that is formed by its own product."""
     d = self.d[start:stop]
     if self.blocks is None:
-      return tf.matmul(self.a[start:stop], d, transpose_a=True)
+      return (tf.matmul(self.a[start:stop], d, transpose_a=True),)
     if all(b.shape[-1] == 1 for b in self.blocks):  # One input channel: one (K, T)·(T, O) product.
-      return tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d)
-    return tf.concat([tf.matmul(b[start:stop], d, transpose_a=True) for b in self.blocks], 1)
+      return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
+    return tuple(tf.matmul(b[start:stop], d, transpose_a=True) for b in self.blocks)
 
-  def _full(self) -> tf.Tensor:
-    """The materialized g_m, rows not kept zero. The product is cached unmasked, so a masked
-    factor builds its mask only where a form reads it (`PerExampleGradients.weighted_sum` reads
-    it only in the branch of a step with a non-finite g_m)."""
+  def _full_blocks(self) -> list[tf.Tensor]:
+    """The materialized g_m in blocks of K, rows not kept zero: norms and weighted sums read the
+    blocks, never their concatenation. The product is cached unmasked, so a masked factor builds
+    its mask only where a form reads it (`PerExampleGradients.weighted_sum` reads it only in the
+    branch of a step with a non-finite g_m)."""
     # Cached per graph: a value computed inside a tf.cond branch cannot be used outside it.
     if self._cached() is None:
       self._materialized = self._product()
-    return _rows(self._materialized, self.keep)
+    return [_rows(b, self.keep) for b in self._materialized]
 
-  def _cached(self) -> Optional[tf.Tensor]:
-    """The materialized form, if this graph or one enclosing it (whose tensors it can capture)
-    made it: one made in a `tf.cond` branch or loop body cannot be read outside."""
+  def _full(self) -> tf.Tensor:
+    """The materialized g_m, (M, K, O), rows not kept zero."""
+    blocks = self._full_blocks()
+    return blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
+
+  def _cached(self) -> Optional[tuple[tf.Tensor, ...]]:
+    """The materialized blocks, if this graph or one enclosing it (whose tensors it can capture)
+    made them: ones made in a `tf.cond` branch or loop body cannot be read outside."""
     m = self._materialized
-    if m is None or not hasattr(m, "graph"):
+    if m is None or not hasattr(m[0], "graph"):
       return m
     graph = tf.compat.v1.get_default_graph()
-    while graph is not None and graph is not m.graph:
+    while graph is not None and graph is not m[0].graph:
       graph = getattr(graph, "outer_graph", None)
     return None if graph is None else m
 
@@ -200,7 +212,7 @@ class Outer:
     if self.a.shape[1] == 1:  # ||a dᵀ||² = ||a||² ||d||²
       return _nan_to_inf(_sum_sq(self._rows_a(), exact) * _sum_sq(self._rows_d(), exact))
     if self._prefers_materialized():
-      return _sum_sq(self._full(), exact)
+      return _sum_sq(self._full_blocks(), exact)
     # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s), a_t·a_s summed over blocks.
     scaled, scale_a = _rows_scaled([_rows(b, self.keep) for b in self.blocks or [self.a]])
     gram_a = tf.add_n([tf.matmul(b, b, transpose_b=True) for b in scaled])
@@ -214,8 +226,9 @@ class Outer:
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     if self._cached() is not None:
-      full = self._full()
-      return tf.reshape(tf.tensordot(_weights(w, full), full, 1), self.shape)
+      blocks = self._full_blocks()
+      w = _weights(w, blocks[0])
+      return tf.reshape(tf.concat([tf.tensordot(w, b, 1) for b in blocks], 0), self.shape)
     d = _weighted_rows(self.d, w, self.keep)
     if self.blocks is None:
       return tf.reshape(_matmul_rows(self._rows_a(), d), self.shape)
@@ -238,7 +251,8 @@ class Outer:
   def materialize(self, start, stop) -> tf.Tensor:
     keep = None if self.keep is None else self.keep[start:stop]
     cached = self._cached()
-    g = _rows(self._product(start, stop) if cached is None else cached[start:stop], keep)
+    blocks = self._product(start, stop) if cached is None else [b[start:stop] for b in cached]
+    g = _rows(blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1), keep)
     return tf.reshape(g, (-1, *self.shape))
 
 
