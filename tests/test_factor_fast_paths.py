@@ -20,8 +20,38 @@ from tfdp_variants.per_example import gradients
 def test_patches_equal_extract_patches(kernel, stride, dilation, padding):
   x = tf.constant(np.random.default_rng(0).normal(size=(2, 7, 6, 3)), tf.float32)
   want = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1], [1, *dilation, 1], padding)
-  got = conv_rules._patches(x, list(kernel), list(stride), list(dilation), padding)
+  got = conv_rules.patches(x, list(kernel), list(stride), list(dilation), padding)
   np.testing.assert_array_equal(got.numpy(), tf.reshape(want, got.shape).numpy())
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+@pytest.mark.parametrize("kernel,stride,dilation,padding", [
+    ((3, 3), (1, 1), (1, 1), "SAME"), ((2, 3), (2, 1), (1, 2), "VALID"),
+    ((3, 2), (2, 3), (2, 1), "SAME")])
+def test_conv_product_of_unknown_batch_from_gathered_patches_or_blocks(
+    kernel, stride, dilation, padding, gathered, monkeypatch):
+  """A conv's materialized per-example gradients when the batch is known only at run time: from
+  the patches gathered in one op while they fit `_MAX_GATHERED_ELEMENTS`, else block by block
+  (a tf.cond on the batch's size), both equal to NumPy's Σ_p patch_pᵀ d_p."""
+  monkeypatch.setattr(F, "_MAX_GATHERED_ELEMENTS", 10**9 if gathered else 10)
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(3, 7, 6, 2)).astype(np.float32)
+  want_patches = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1],
+                                          [1, *dilation, 1], padding).numpy()
+  positions = want_patches.shape[1] * want_patches.shape[2]
+  d = rng.normal(size=(3, positions, 4)).astype(np.float32)
+  want = np.einsum("mtk,mto->mko", want_patches.reshape(3, positions, -1), d)
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 7, 6, 2]), tf.TensorSpec([None, None, 4])])
+  def product(x, d):
+    patches = conv_rules.Patches(x, list(kernel), (list(stride), list(dilation), padding),
+                                 tf.shape(x)[0], tf.float32)
+    outer = F.Outer.of_patches(patches, d, (np.prod(kernel) * 2, 4))
+    return outer.materialize(1, tf.shape(x)[0]), outer.squared_norms()
+
+  got, norms = product(x, d)  # Microbatches 1..3 (the patches of their examples only), all.
+  np.testing.assert_allclose(got.numpy(), want[1:], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(norms.numpy(), (want.astype(np.float64) ** 2).sum((1, 2)), rtol=1e-5)
 
 
 def _reference(a, d, keep, w):

@@ -32,7 +32,7 @@ squared_norms` takes the float64 sum for those rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Protocol, Union
 
 import tensorflow as tf
 # No public API says whether a graph is compiled by XLA.
@@ -41,6 +41,24 @@ from tensorflow.python.ops import control_flow_util
 # Materialize an `Outer` factor for norms only while one example's gradient is this small and
 # materializing costs fewer flops than the Gram ("ghost") form.
 _MAX_MATERIALIZED_ELEMENTS = 1 << 20
+# An `Outer` of a conv's patches materializes its product from the patches gathered in one op,
+# one product, while they hold at most this many elements (256 MiB of float32); beyond it, block
+# by block (each block one kernel offset's slice).
+_MAX_GATHERED_ELEMENTS = 1 << 26
+
+
+class Patches(Protocol):
+  """A conv's patches A (M, T, K), rows grouped by microbatch, built in the graph that asks (a
+  tensor a tf.cond's branch captures is computed whichever branch runs)."""
+
+  def gathered(self, start=0, stop=None) -> tf.Tensor:
+    """Rows start..stop of A, in one op."""
+
+  def blocks(self) -> list[tf.Tensor]:
+    """A's columns in blocks, (M, T, K_b) each: one kernel offset's data per block."""
+
+  def elements(self) -> Union[int, tf.Tensor]:
+    """How many elements A holds: an int if static, else an int64 scalar."""
 
 
 def _nan_to_inf(x: tf.Tensor) -> tf.Tensor:
@@ -144,7 +162,9 @@ class Outer:
   """g_m = reshape(Σ_t A[m,t]ᵀ D[m,t], shape); A: (M, T, K), D: (M, T, O); rows m not in `keep`
   (when set) are zero. `blocks`, when set, are A's columns in blocks (A = their concatenation on
   the last axis: a conv's patches, one block per kernel offset): products are then formed block by
-  block, and A itself is built only where a form needs it (a graph runs no op nobody reads)."""
+  block, and A itself is built only where a form needs it (a graph runs no op nobody reads).
+  `patches`, when set, builds A and its blocks (a conv's) in the graph that reads them: the
+  materialized product comes from A in one product while A is small enough."""
 
   a: tf.Tensor
   d: tf.Tensor
@@ -152,6 +172,7 @@ class Outer:
   _materialized: Optional[tuple[tf.Tensor, ...]] = None
   keep: Optional[tf.Tensor] = None
   blocks: Optional[tuple[tf.Tensor, ...]] = None
+  patches: Optional[Patches] = None
 
   rule = "outer"
 
@@ -159,6 +180,12 @@ class Outer:
   def of_blocks(cls, blocks: list[tf.Tensor], d: tf.Tensor, shape: tuple[int, ...]) -> "Outer":
     """The `Outer` of A = concat(blocks, -1), each block (M, T, K_b)."""
     return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks))
+
+  @classmethod
+  def of_patches(cls, patches: Patches, d: tf.Tensor, shape: tuple[int, ...]) -> "Outer":
+    """The `Outer` of a conv's patches."""
+    blocks = patches.blocks()
+    return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks), patches=patches)
 
   def _prefers_materialized(self) -> bool:
     t, k, o = self.a.shape[1], self.a.shape[2], self.d.shape[2]
@@ -178,9 +205,18 @@ class Outer:
     d = self.d[start:stop]
     if self.blocks is None:
       return (tf.matmul(self.a[start:stop], d, transpose_a=True),)
+    by_blocks = lambda blocks: tuple(tf.matmul(b[start:stop], d, transpose_a=True)
+                                     for b in blocks)
+    if self.patches is not None:
+      at_once = lambda: tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
+      size = self.patches.elements()
+      if isinstance(size, int):
+        return (at_once(),) if size <= _MAX_GATHERED_ELEMENTS else by_blocks(self.blocks)
+      return (tf.cond(size <= _MAX_GATHERED_ELEMENTS, at_once,
+                      lambda: tf.concat(by_blocks(self.patches.blocks()), 1)),)
     if all(b.shape[-1] == 1 for b in self.blocks):  # One input channel: one (K, T)·(T, O) product.
       return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
-    return tuple(tf.matmul(b[start:stop], d, transpose_a=True) for b in self.blocks)
+    return by_blocks(self.blocks)
 
   def _full_blocks(self) -> list[tf.Tensor]:
     """The materialized g_m in blocks of K, rows not kept zero: norms and weighted sums read the
@@ -222,7 +258,7 @@ class Outer:
     if self.keep is not None:
       keep = tf.logical_and(keep, self.keep)
     # Materialized for the norms: the weighted sum reuses the product.
-    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks)
+    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks, self.patches)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     if self._cached() is not None:

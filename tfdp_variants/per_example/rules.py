@@ -161,10 +161,13 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   x, grad = tf.cast(x, dtype), _rows(grad, m, cout, dtype)
   if x.shape[1:3].is_fully_defined():  # The patches by kernel offset (`F.Outer.of_blocks`).
     windows = (strides[1:3], dilations[1:3], padding)
+    if groups == 1:
+      return F.Outer.of_patches(conv_rules.Patches(x, [kh, kw], windows, m, dtype), grad,
+                                tuple(var.shape))
     blocks = [_rows(s, m, groups * cin, dtype)
               for s in conv_rules.shifted(x, [kh, kw], *windows)]
     outer = lambda g, d, shape: F.Outer.of_blocks(
-        [b[:, :, g * cin:(g + 1) * cin] if groups > 1 else b for b in blocks], d, shape)
+        [b[:, :, g * cin:(g + 1) * cin] for b in blocks], d, shape)
   else:
     patches = _rows(tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, padding), m,
                     kh * kw * groups * cin, dtype)
