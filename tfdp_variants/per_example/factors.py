@@ -207,6 +207,10 @@ class Outer:
       return (tf.matmul(self.a[start:stop], d, transpose_a=True),)
     by_blocks = lambda blocks: tuple(tf.matmul(b[start:stop], d, transpose_a=True)
                                      for b in blocks)
+    if all(b.shape[-1] == 1 for b in self.blocks):
+      # One input channel: one (K, T)·(T, O) product of the stacked blocks (a gather of single
+      # elements is slower: 14.0 against 5.2 ms for the paper CNN's first conv at batch 128).
+      return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
     if self.patches is not None:
       at_once = lambda: tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
       size = self.patches.elements()
@@ -214,8 +218,6 @@ class Outer:
         return (at_once(),) if size <= _MAX_GATHERED_ELEMENTS else by_blocks(self.blocks)
       return (tf.cond(size <= _MAX_GATHERED_ELEMENTS, at_once,
                       lambda: tf.concat(by_blocks(self.patches.blocks()), 1)),)
-    if all(b.shape[-1] == 1 for b in self.blocks):  # One input channel: one (K, T)·(T, O) product.
-      return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
     return by_blocks(self.blocks)
 
   def _full_blocks(self) -> list[tf.Tensor]:
