@@ -13,6 +13,7 @@ picks a value where the stacks word or do one thing differently.
 import pytest
 import tensorflow as tf
 
+from tfdp_variants import noise
 from tfdp_variants import stack
 
 # Two logical CPU devices, so that MirroredStrategy has two replicas without a GPU
@@ -32,6 +33,18 @@ _TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
 def per_stack(keras3, keras2):
   """`keras3` on the default stack, `keras2` on tf-keras and TF 2.15."""
   return keras3 if stack.KERAS_3 else keras2
+
+
+@pytest.fixture
+def fixed_noise(monkeypatch):
+  """`fixed_noise(draw)`: every `NoiseSource.normal(shape, dtype, stddev)` returns
+  `draw(shape, dtype)` (standard draws) times its stddev, for the rest of the test."""
+  def install(draw):
+    def normal(_, shape, dtype=tf.float32, stddev=None):
+      x = draw(shape, dtype)
+      return x if stddev is None else x * tf.cast(stddev, x.dtype)
+    monkeypatch.setattr(noise.NoiseSource, "normal", normal)
+  return install
 
 
 _SKIP_OTHER_STACK = {"keras3_only": (not stack.KERAS_3, "a path of Keras 3 alone"),

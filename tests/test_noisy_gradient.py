@@ -82,7 +82,7 @@ def test_noiseless_ac_is_clip_and_mean(num_microbatches):
   _assert_close(got, want)
 
 
-def test_ac_with_a_fixed_noise_draw_is_noise_then_clip(monkeypatch):
+def test_ac_with_a_fixed_noise_draw_is_noise_then_clip(fixed_noise):
   """The noise replaced by a fixed draw per shape; chunks of 4 each get the same block."""
   x, y = _data()
   sigma, clip, chunk = 0.05, 5.0, 4
@@ -96,8 +96,7 @@ def test_ac_with_a_fixed_noise_draw_is_noise_then_clip(monkeypatch):
   assert not np.allclose(draws[0][0], draws[0][1])
   want, norms = _noise_then_clip_mean(grads, draws, clip)
   assert norms.min() < clip < norms.max()
-  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
-                      fixed_normal(shape, dtype))
+  fixed_noise(fixed_normal)
   got = _sgd_update(NGSGD(clip, sigma, noise_sampling="direct", chunk_size=chunk,
                           learning_rate=1.0), x, y)
   _assert_close(got, want)
@@ -198,11 +197,10 @@ def test_ac_clips_each_noised_gradient_to_c(sampling):
                              clip ** 2 / B, rtol=0.1)
 
 
-def test_ca_is_dp_sgd(monkeypatch):
+def test_ca_is_dp_sgd(fixed_noise):
   """CA equals DP-SGD's update, noise included (a fixed draw)."""
   x, y = _data()
-  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
-                      tf.random.stateless_normal(shape, seed=[5, 6], dtype=dtype))
+  fixed_noise(lambda shape, dtype: tf.random.stateless_normal(shape, seed=[5, 6], dtype=dtype))
   got = _sgd_update(NGSGD(0.3, 2.0, order="clip_then_noise", learning_rate=1.0), x, y)
   want = _sgd_update(tfdp_variants.DPSGD(0.3, 2.0, learning_rate=1.0), x, y)
   noiseless = _sgd_update(tfdp_variants.DPSGD(0.3, 0.0, learning_rate=1.0), x, y)

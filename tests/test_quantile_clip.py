@@ -90,15 +90,14 @@ def test_direct_noiseless_step_equals_numpy(per_layer, num_microbatches, quantil
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
-def test_direct_noise_std_is_sigma_times_threshold(per_layer, monkeypatch):
+def test_direct_noise_std_is_sigma_times_threshold(per_layer, fixed_noise):
   """With a fixed draw z, the step is (Σ clip(g_m, C) + σ·C·z) / M, C the threshold."""
   sigma = 0.7
   rng = np.random.default_rng(2)
   draws = [rng.normal(size=w.shape).astype("float32") for w in _model().get_weights()]
 
   shapes = {tuple(d.shape): d for d in draws}
-  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
-                      tf.constant(shapes[tuple(tf.get_static_value(shape))], dtype))
+  fixed_noise(lambda shape, dtype: tf.constant(shapes[tuple(tf.get_static_value(shape))], dtype))
   _, history = _fit(QuantileClipSGD(1.0, sigma, per_layer=per_layer, learning_rate=1.0))
   grads = _microbatch_grads(history[0])
   bounds = [np.median(n) for n in _norms(grads, per_layer)]

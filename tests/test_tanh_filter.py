@@ -9,7 +9,6 @@ import tensorflow as tf
 import tfdp_variants
 import tfdp_variants.algorithms.tanh_filter  # Registers "tanh_filter".
 from tfdp_variants import accounting
-from tfdp_variants import noise
 
 L = tf.keras.layers
 B = 8
@@ -46,14 +45,13 @@ def _numpy_fixed_normal(shape):
   return np.sin(np.arange(np.prod(shape)) + 1.0).reshape(shape)
 
 
-def _sgd_step(optimizer, monkeypatch=None):
+def _sgd_step(optimizer, fixed_noise=None):
   """One full-batch SGD step (lr 1) on the linear model: returns (w0, b0, w1, b1)."""
   x, y = _data()
   model = _linear()
   w0, b0 = [v.astype(np.float64) for v in model.get_weights()]
-  if monkeypatch is not None:
-    monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
-                        _fixed_normal(shape, dtype))
+  if fixed_noise is not None:
+    fixed_noise(_fixed_normal)
   model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
   model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
   w1, b1 = model.get_weights()
@@ -85,11 +83,11 @@ def test_default_chunks_hold_about_chunk_entries(monkeypatch):
   np.testing.assert_allclose(b1, b2, rtol=1e-5, atol=1e-6)
 
 
-def test_noise_has_no_clip_factor(monkeypatch):
+def test_noise_has_no_clip_factor(fixed_noise):
   """A fixed draw z: ĝ = (1/M)(Σ_i f(g_i) + σ z), M = 2 microbatches; C (= 5) plays no part."""
   sigma, m = 0.7, 2
   opt = _cls()(5.0, sigma, num_microbatches=m, learning_rate=1.0)
-  w0, b0, w1, b1 = _sgd_step(opt, monkeypatch)
+  w0, b0, w1, b1 = _sgd_step(opt, fixed_noise)
   x, y = _data()
   gw, gb = _numpy_microbatch_grads(w0, b0, x, y, m)
   np.testing.assert_allclose(
@@ -99,12 +97,12 @@ def test_noise_has_no_clip_factor(monkeypatch):
       b0 - b1, (np.tanh(gb).sum(0) + sigma * _numpy_fixed_normal((2,))) / m, rtol=1e-5, atol=1e-6)
 
 
-def test_certified_mode_clips_filtered_gradients(monkeypatch):
+def test_certified_mode_clips_filtered_gradients(fixed_noise):
   """ĝ = (1/M)(Σ_i clip(f(g_i), C) + σC z), the norm over all variables together."""
   sigma, clip, c, k = 0.7, 3.5, 2.0, 3.0
   opt = _cls()(clip, sigma, output_range=c, active_range=k, certified=True, chunk_size=5,
                learning_rate=1.0)
-  w0, b0, w1, b1 = _sgd_step(opt, monkeypatch)
+  w0, b0, w1, b1 = _sgd_step(opt, fixed_noise)
   x, y = _data()
   gw, gb = _numpy_microbatch_grads(w0, b0, x, y, B)
   fw, fb = c * np.tanh(gw / k), c * np.tanh(gb / k)

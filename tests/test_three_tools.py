@@ -47,11 +47,10 @@ def _reference_grads(weights, x, y):
   return [np.stack(g) for g in zip(*grads)]  # Per variable, (B, *shape).
 
 
-def test_adaptive_steps_equal_paper_formula(monkeypatch):
+def test_adaptive_steps_equal_paper_formula(fixed_noise):
   """Two SGD steps (lr 1) with every noise draw fixed at 1: weights and bounds against NumPy."""
   sigma, sigma_n, alpha, beta, c0 = 0.3, 2.5, 1.1, 2.0, [0.05, 0.2, 0.1, 0.4]
-  monkeypatch.setattr(noise.NoiseSource, "normal", lambda _, shape, dtype=tf.float32:
-                      tf.ones(shape, dtype))
+  fixed_noise(tf.ones)
   x, y = _data()
   model = _model()
   opt = AdaptiveClipSGD(1.0, sigma, alpha=alpha, beta=beta, norm_noise_multiplier=sigma_n,

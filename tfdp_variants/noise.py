@@ -169,8 +169,7 @@ class GaussianSumQuery:
   def _noised(self, tensors: Sequence[tf.Tensor], scale, share: float) -> list[tf.Tensor]:
     if self.noise_multiplier == 0:
       return list(tensors)
-    return [t + self.source.normal(t.shape if t.shape.is_fully_defined() else tf.shape(t),
-                                   t.dtype, stddev=self.noise_multiplier * share * s)
+    return [t + self.source.normal(tf.shape(t), t.dtype, stddev=self.noise_multiplier * share * s)
             for t, s in zip(tensors, _scales(scale, len(tensors)))]
 
   def event(self, *, replace_one: bool = False, num_blocks: int = 1
