@@ -212,7 +212,9 @@ class Outer:
       # elements is slower: 14.0 against 5.2 ms for the paper CNN's first conv at batch 128).
       return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
     if self.patches is not None:
-      at_once = lambda: tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
+      def at_once():
+        with tf.control_dependencies([d]):  # Gathered when its product can run, not held before.
+          return tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
       size = self.patches.elements()
       if isinstance(size, int):
         return (at_once(),) if size <= _MAX_GATHERED_ELEMENTS else by_blocks(self.blocks)
