@@ -2,7 +2,8 @@
 transposed, and dilated 2-D convs.
 
 Each rule reads the rows of one example from the patches of the op's data (`patches`, gathered
-in the op's own padding, strides and dilations, or `shifted` slices, one per kernel offset) and the gradient of its output:
+in the op's own padding, strides and dilations, or `shifted` slices, one per kernel offset) and
+the gradient of its output:
 
 * `DepthwiseConv2dNative` (DepthwiseConv2D, SeparableConv1D/2D's depthwise kernel): channel c's
   kernel is Σ_p patch_p[c]ᵀ dz_p[c], a `GroupedOuter` with one group per input channel.
@@ -211,9 +212,10 @@ def patches(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[
   strides and dilations, features ordered (kernel offset, channel) as a kernel's rows, of
   channels-last `x` (N, *spatial, C) of static sizes.
 
-  One gather of C-element rows from the padded data by indices computed here: on CPUs 2.5× faster
-  than `shifted`'s slices (3.0 against 7.5 ms for the paper CNN's second conv at batch 128), and
-  `tf.image.extract_patches` is slower still (28.6 ms).
+  One gather of C-element rows from the padded data by indices computed here: faster on CPUs than
+  `shifted`'s slices (3.0–8.6 against 7.5–11.0 ms across runs for the paper CNN's second conv at
+  batch 128; memory-bound, it varies with the machine's load), and `tf.image.extract_patches` is
+  slower still (28.6 ms).
   """
   sizes = x.shape[1:-1].as_list()
   outs, pads = zip(*(_out_size(*a, padding) for a in zip(sizes, ksize, strides, dilations)))
