@@ -215,10 +215,10 @@ def _with(make_optimizer: Callable[[int], object],
                                      jit_compile)
 
 
-def _nonprivate(layers: list, b: int) -> tf.keras.Model:
+def _nonprivate(layers: list, b: int, jit_compile: bool = False) -> tf.keras.Model:
   del b
   return _compiled(tf.keras.Sequential(layers), tf.keras.optimizers.Adam(1e-3),
-                   "sum_over_batch_size")
+                   "sum_over_batch_size", jit_compile)
 
 
 # TF Privacy is imported in its rows only: it is installed on the TF 2.15 leg alone.
@@ -300,6 +300,8 @@ def rows() -> list[Row]:
       Row("dpadam_nocheck", "DPAdam, self_check=False",
           _with(lambda b: tfdp_variants.DPAdam(self_check=False, **_dp(b))), 1.5,
           every_model=True),
+      Row("nonprivate_xla", "non-private Adam, jit_compile=True (XLA)",
+          lambda layers, b: _nonprivate(layers, b, jit_compile=True)),
       Row("dpadam_xla", "DPAdam, jit_compile=True (XLA)",
           _with(lambda b: tfdp_variants.DPAdam(**_dp(b)), jit_compile=True), 1.5,
           every_model=True),
@@ -459,7 +461,7 @@ def run_all() -> None:
   # (result key, row, package directory): a baseline run right after the same row of this tree.
   runs = [(r.key, r, None) for r in todo]
   if _BASELINE.value:
-    baseline = lambda r: ([] if r.key == "nonprivate" or r.tf_privacy
+    baseline = lambda r: ([] if r.key.startswith("nonprivate") or r.tf_privacy
                           else [(r.key + "@baseline", r, _BASELINE.value)])
     runs = [run for r in todo for run in [(r.key, r, None)] + baseline(r)]
   out = []

@@ -45,6 +45,50 @@ def test_radius_log_is_exact_on_every_uniform():
   np.testing.assert_array_equal(uniform * 2**23, np.round(uniform * 2**23))  # On the grid.
 
 
+def test_xla_draws_are_standard_normal():
+  """Under XLA the draws are the inverse CDF of 24 random bits: moments, a
+  Kolmogorov–Smirnov test and the tails against N(0, 1) (2·10⁶ draws, bounds of about 5 standard
+  errors), and each compiled call draws anew."""
+  scipy_stats = pytest.importorskip("scipy.stats")
+  source = noise.NoiseSource()
+  draw = tf.function(lambda: source.normal([2_000_000]), jit_compile=True)
+  x, again = draw().numpy().astype(np.float64), draw().numpy()
+  n = x.size
+  assert abs(x.mean()) < 5 / np.sqrt(n) and abs(x.var() - 1) < 5 * np.sqrt(2 / n)
+  assert abs(np.mean(x**4) - 3) < 5 * np.sqrt(96 / n)
+  assert scipy_stats.kstest(x, "norm").pvalue > 1e-5
+  assert abs(np.mean(np.abs(x) > 3) - 0.0026998) < 5 * np.sqrt(0.0027 / n)
+  assert abs(np.mean(x > 0) - 0.5) < 5 * np.sqrt(0.25 / n)
+  assert abs(np.corrcoef(x[:-1], again[1:])[0, 1]) < 5 / np.sqrt(n)
+
+
+def test_xla_normal_of_extreme_bits_is_finite_and_odd():
+  """The bits' extremes map to ±√2·erfinv(1 − 2⁻²⁴) = ±5.42, never ±inf, and mirrored bits
+  (k and 2²⁴ − 1 − k in the top 24) to opposite draws."""
+  scipy_special = pytest.importorskip("scipy.special")
+  k = np.array([0, 1, 2, 2**22, 2**23 - 1], np.int64)
+  k = np.concatenate([k, 2**24 - 1 - k])
+  bits = (k << 8 | 0xAB).astype(np.uint32)  # The low 8 bits are ignored.
+  want = np.sqrt(2) * scipy_special.erfinv((2 * k + 1) * 2.0**-24 - 1)
+  got = tf.function(lambda b: noise._normal_of_bits(b, 2.0), jit_compile=True)(bits).numpy()
+  np.testing.assert_allclose(got, 2 * want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[:5], -got[5:])
+  assert np.max(np.abs(got)) == pytest.approx(2 * 5.4199832, rel=1e-6)
+
+
+def test_query_under_xla_noises_each_tensor_apart_at_sigma_times_its_scale():
+  """Under XLA the query's tensors share one flat draw: each gets its own part, at σ·scale, in
+  its shape and dtype."""
+  query = noise.GaussianSumQuery(noise.NoiseSource(), 0.5)
+  zeros = [tf.zeros([200, 100]), tf.zeros([20000], tf.bfloat16), tf.zeros([100, 200])]
+  noised = tf.function(lambda: query(zeros, [1.0, 4.0, 2.0]), jit_compile=True)()
+  assert [(t.shape, t.dtype) for t in noised] == [(t.shape, t.dtype) for t in zeros]
+  a, b, c = (np.asarray(t, np.float64).ravel() for t in noised)
+  assert abs(np.std(a) / 0.5 - 1) < 0.03 and abs(np.std(b) / 2.0 - 1) < 0.03
+  assert abs(np.std(c) / 1.0 - 1) < 0.03
+  assert abs(np.corrcoef(a, c)[0, 1]) < 5 / np.sqrt(a.size)
+
+
 @pytest.mark.parametrize("shape", [[], [0], [7], [3, 5], [2, 3, 4]])
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
 def test_normal_draws_have_the_shape_and_dtype_asked(shape, dtype):

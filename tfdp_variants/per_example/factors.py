@@ -35,8 +35,8 @@ import dataclasses
 from typing import Optional, Protocol, Union
 
 import tensorflow as tf
-# No public API says whether a graph is compiled by XLA.
-from tensorflow.python.ops import control_flow_util
+
+from tfdp_variants.xla import in_xla
 
 # Materialize an `Outer` factor for norms only while one example's gradient is this small and
 # materializing costs fewer flops than the Gram ("ghost") form.
@@ -70,11 +70,6 @@ def _nan_to_inf(x: tf.Tensor) -> tf.Tensor:
 # N·2⁻¹²⁶ of a row of N entries, under float32's rounding (2⁻²⁴ relatively) once the row's norm is
 # at least √N·2⁻⁵¹. Smaller norms, zero included, take the float64 sum.
 _FLUSH_BOUND = 2.0**-51
-
-
-def in_xla() -> bool:
-  """Whether the graph being built is compiled by XLA (no public API says so)."""
-  return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _sum_sq(x, exact: bool = True) -> tf.Tensor:

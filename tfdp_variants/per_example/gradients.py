@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.xla import in_xla
 
 Weights = tf.Tensor | Sequence[tf.Tensor]
 # Entries of a default chunk of materialized g_m (`reduce_chunks`): 32 MiB of float32. Measured on
@@ -25,7 +26,7 @@ def _squared_norms(factors: Sequence[F.Factor]) -> list[tf.Tensor]:
   """Each factor's (M,) float64 squared norms: summed in float32 where float32 holds every row's
   sum (one pass over float32 rows), in float64 for the rows of a factor where it does not (a
   row's result depends on its own values only; only such a step pays the float64 pass)."""
-  if not factors or F.in_xla():  # XLA fuses the float64 cast into the sum.
+  if not factors or in_xla():  # XLA fuses the float64 cast into the sum.
     return [f.squared_norms() for f in factors]
   fast = [f.squared_norms(exact=False) for f in factors]
   held = [tf.math.is_finite(s) for s in fast]
@@ -86,7 +87,7 @@ class PerExampleGradients:
     if not isinstance(weights, (list, tuple)):
       weights = [weights] * len(self.factors)
     sums = lambda factors: [f.weighted_sum(w) for f, w in zip(factors, weights)]
-    if self.unmasked is None or F.in_xla():  # XLA fuses the masks into the products.
+    if self.unmasked is None or in_xla():  # XLA fuses the masks into the products.
       return sums(self.factors)
     # The masks zero the non-finite g_m only: while every g_m is finite they change no value, so
     # only a step with a non-finite g_m pays their passes over the factors.

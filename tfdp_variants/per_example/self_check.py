@@ -45,13 +45,13 @@ from typing import Iterator, Optional, Sequence
 from absl import logging
 import numpy as np
 import tensorflow as tf
-# No public API says whether a graph is compiled by XLA, or makes a variable in a retrace.
-from tensorflow.python.ops import control_flow_util
+# No public API makes a variable in a retrace.
 from tensorflow.python.ops import resource_variable_ops
 
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import trace
 from tfdp_variants.per_example.gradients import PerExampleGradients
+from tfdp_variants.xla import in_xla
 
 
 MIXING = ("examples are mixed by the model (e.g. BatchNormalization or a custom layer computing "
@@ -388,7 +388,7 @@ def exact_first(mb_losses: tf.Tensor, loss: tf.Tensor, sources: Sequence[Optiona
     early: whether the check will run whatever rules the step takes.
   """
   graph = mb_losses.graph
-  xla = control_flow_util.GraphOrParentsInXlaContext(graph)
+  xla = in_xla(graph)
   proven = loss.name in _PROVEN.get(graph, ())
   data = [] if proven else data_inputs(graph, loss.shape[0])
   if not data and not proven:
