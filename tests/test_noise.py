@@ -33,22 +33,27 @@ def test_normal_draws_are_standard_normal():
   assert abs(np.corrcoef(cos**2, sin**2)[0, 1]) < 5 / np.sqrt(n / 2)
 
 
-def test_radius_log_is_exact_on_every_uniform():
-  """TF's float32 uniforms are k·2⁻²³, k < 2²³: 1 - u is exact, and log(1 - u), which the radius
-  takes (at half log1p's cost), is within float32 rounding of log1p(-u) on all 2²³ of them."""
-  k = np.arange(2**23, dtype=np.float64)
-  u = tf.constant(k * 2.0**-23, tf.float32)
-  exact = np.log1p(-k * 2.0**-23)
-  got = tf.math.log(1.0 - u).numpy().astype(np.float64)
-  np.testing.assert_allclose(got, exact, rtol=1e-6, atol=0)
-  uniform = noise.NoiseSource(seed=0).generator.uniform([4096]).numpy().astype(np.float64)
-  np.testing.assert_array_equal(uniform * 2**23, np.round(uniform * 2**23))  # On the grid.
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_box_muller_of_extreme_words_is_finite_and_reaches_beyond_tf(jit_compile):
+  """The radius' 40-bit uniform v = (w0 + (w1 mod 2⁸ + ½)·2⁻⁸)·2⁻³² against float64 by hand, at
+  its extremes: v = 2⁻⁴¹ gives r = 7.539 (TF's samplers stop at 5.68), v = 1 gives 0; the angle
+  takes w1's top 24 bits. Every draw is finite."""
+  w0 = np.array([0, 0, 1, 2**24 - 1, 2**31, 2**32 - 1, 12345, 0], np.uint32)
+  w1 = np.array([0, 255, 0, 2**31 + 7, 2**32 - 1, 2**24 + 128, 2**31 + 2**30, 2**8], np.uint32)
+  v = (np.float32(w0).astype(np.float64) + ((w1 & 255) + 0.5) / 256) * 2.0**-32
+  r = np.sqrt(-2 * np.log(np.minimum(v, 1.0)))
+  theta = (w1 >> 8).astype(np.float64) * 2 * np.pi * 2.0**-24
+  want = 3.0 * np.concatenate([r * np.cos(theta), r * np.sin(theta)])
+  got = tf.function(lambda a, b: noise._box_muller(a, b, 3.0), jit_compile=jit_compile)(w0, w1)
+  np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=2e-5)
+  assert np.all(np.isfinite(got.numpy()))
+  assert np.max(np.abs(got.numpy())) == pytest.approx(3.0 * np.sqrt(82 * np.log(2)), rel=1e-5)
 
 
 def test_xla_draws_are_standard_normal():
-  """Under XLA the draws are the inverse CDF of 24 random bits: moments, a
-  Kolmogorov–Smirnov test and the tails against N(0, 1) (2·10⁶ draws, bounds of about 5 standard
-  errors), and each compiled call draws anew."""
+  """Under XLA (stateless bits keyed by the generator's next seed): moments, a Kolmogorov–Smirnov
+  test and the tails against N(0, 1) (2·10⁶ draws, bounds of about 5 standard errors), and each
+  compiled call draws anew."""
   scipy_stats = pytest.importorskip("scipy.stats")
   source = noise.NoiseSource()
   draw = tf.function(lambda: source.normal([2_000_000]), jit_compile=True)
@@ -62,23 +67,9 @@ def test_xla_draws_are_standard_normal():
   assert abs(np.corrcoef(x[:-1], again[1:])[0, 1]) < 5 / np.sqrt(n)
 
 
-def test_xla_normal_of_extreme_bits_is_finite_and_odd():
-  """The bits' extremes map to ±√2·erfinv(1 − 2⁻²⁴) = ±5.42, never ±inf, and mirrored bits
-  (k and 2²⁴ − 1 − k in the top 24) to opposite draws."""
-  scipy_special = pytest.importorskip("scipy.special")
-  k = np.array([0, 1, 2, 2**22, 2**23 - 1], np.int64)
-  k = np.concatenate([k, 2**24 - 1 - k])
-  bits = (k << 8 | 0xAB).astype(np.uint32)  # The low 8 bits are ignored.
-  want = np.sqrt(2) * scipy_special.erfinv((2 * k + 1) * 2.0**-24 - 1)
-  got = tf.function(lambda b: noise._normal_of_bits(b, 2.0), jit_compile=True)(bits).numpy()
-  np.testing.assert_allclose(got, 2 * want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(got[:5], -got[5:])
-  assert np.max(np.abs(got)) == pytest.approx(2 * 5.4199832, rel=1e-6)
-
-
 def test_query_under_xla_noises_each_tensor_apart_at_sigma_times_its_scale():
-  """Under XLA the query's tensors share one flat draw: each gets its own part, at σ·scale, in
-  its shape and dtype."""
+  """Under XLA each of the query's tensors gets its own draw, at σ·scale, in its shape and
+  dtype."""
   query = noise.GaussianSumQuery(noise.NoiseSource(), 0.5)
   zeros = [tf.zeros([200, 100]), tf.zeros([20000], tf.bfloat16), tf.zeros([100, 200])]
   noised = tf.function(lambda: query(zeros, [1.0, 4.0, 2.0]), jit_compile=True)()

@@ -81,59 +81,25 @@ class NoiseSource:
     return self._seed is not None
 
   def normal(self, shape, dtype: tf.DType = tf.float32, stddev=None) -> tf.Tensor:
-    """N(0, stddev²) draws (stddev: a scalar, None for 1): float64 from the generator's own
-    sampler; other dtypes in float32:
-    - by the Box–Muller transform of float32 uniforms (both outputs of each pair used), as TF's
-      own float32 sampler computes them (a 23-bit uniform, tails cut near 5.6σ alike), but in
-      elementwise ops CPUs run on every core: 1.75× faster on 3.3M parameters here. The stddev
-      scales the radii, half as many values as the draws;
-    - under XLA, by the inverse CDF (`_inverse_cdf`): XLA's sine and cosine are slow on CPU, and
-      Box–Muller took 38 ms for 3.27M draws there, the inverse CDF 15."""
-    dtype = tf.as_dtype(dtype)
-    if dtype == tf.float64:
-      draws = self.generator.normal(shape, dtype=dtype)
-      return draws if stddev is None else draws * tf.cast(stddev, dtype)
-    if in_xla():
-      return tf.cast(self._inverse_cdf(shape, stddev), dtype)
+    """N(0, stddev²) draws of any float dtype (stddev: a scalar, None for 1), by `_box_muller` in
+    float32 (both outputs of each pair used; the stddev scales the radii, half as many values as
+    the draws), in elementwise ops CPUs run on every core.
+
+    The random bits come from the generator, or under XLA, where its sampler ran 3× slower, from
+    a stateless Philox draw keyed by its next seed."""
     size = _static_size(shape)  # Static: no slice of the draws when it is even.
     if size is None:
       size = tf.reduce_prod(tf.cast(shape, tf.int64))
-    uniform = self.generator.uniform(tf.stack([tf.constant(2, tf.int64),
-                                               tf.cast((size + 1) // 2, tf.int64)]))
-    # u = k·2⁻²³ (k < 2²³), so 1 - u in (0, 1] is exact in float32 and log(1 - u) = log1p(-u),
-    # finite, at half log1p's cost.
-    radius = tf.sqrt(-2.0 * tf.math.log(1.0 - uniform[0]))
-    if stddev is not None:
-      radius *= tf.cast(stddev, tf.float32)
-    angle = (2 * math.pi) * uniform[1]
-    draws = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
+    pairs = tf.stack([tf.constant(2, tf.int64), tf.cast((size + 1) // 2, tf.int64)])
+    if in_xla():
+      bits = tf.random.stateless_uniform(pairs, self.generator.make_seeds(1)[:, 0], minval=None,
+                                         maxval=None, dtype=tf.uint32, alg="philox")
+    else:
+      bits = self.generator.uniform_full_int(pairs, tf.uint32)
+    draws = _box_muller(bits[0], bits[1], stddev)
     if not isinstance(size, int) or size % 2:
       draws = draws[:size]
     return tf.cast(tf.reshape(draws, shape), dtype)
-
-  def _inverse_cdf(self, shape, stddev=None) -> tf.Tensor:
-    """Float32 N(0, stddev²) draws from 32 random bits each (`_normal_of_bits`), from a stateless
-    Philox draw keyed by the generator's next seed: the generator's own sampler ran 3× slower
-    under XLA."""
-    seed = self.generator.make_seeds(1)[:, 0]
-    bits = tf.random.stateless_uniform(shape, seed, minval=None, maxval=None, dtype=tf.uint32,
-                                       alg="philox")
-    return _normal_of_bits(bits, stddev)
-
-  def normal_like(self, tensors: Sequence[tf.Tensor], stddevs: Sequence) -> list[tf.Tensor]:
-    """N(0, s²) draws of each tensor's shape and dtype, s its stddev.
-
-    Under XLA, tensors of static shapes other than float64 share one flat draw, split among them:
-    XLA fuses a draw with a single consumer into it, where it ran 3× slower (the paper CNN's 3.27M
-    draws added to its 8 gradients: 61 against 22.5 ms; Box–Muller's, 60 before).
-    """
-    sizes = [t.shape.num_elements() for t in tensors]
-    if (not in_xla() or None in sizes or len(tensors) < 2
-        or any(t.dtype == tf.float64 for t in tensors)):
-      return [self.normal(tf.shape(t), t.dtype, stddev=s) for t, s in zip(tensors, stddevs)]
-    parts = tf.split(self.normal([sum(sizes)]), sizes)
-    return [tf.cast(tf.reshape(p, t.shape) * tf.cast(s, tf.float32), t.dtype)
-            for p, t, s in zip(parts, tensors, stddevs)]
 
   def gamma(self, shape, alpha: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
     """Gamma(alpha, 1) draws of the given (full) shape, which `alpha` broadcasts to.
@@ -145,16 +111,24 @@ class NoiseSource:
 
 
 
-def _normal_of_bits(bits: tf.Tensor, stddev=None) -> tf.Tensor:
-  """stddev·√2·erfinv(u) of uint32 bits, u = (2k + 1)·2⁻²⁴ − 1 from their top 24 bits k: the
-  midpoints of 2²⁴ equal cells of (−1, 1), exact in float32 and never ±1, so every draw is
-  finite, its tails cut at 5.42σ (Box–Muller's 23-bit radii stop at 5.65σ). A finer grid near ±1
-  does not help: float32 holds nothing between 1 − 2⁻²⁴ and 1, and XLA computes Φ⁻¹(q) as
-  √2·erfinv(2q − 1), which is −inf for q < 2⁻²⁵."""
-  k = tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32)
-  u = k * 2.0**-23 + (2.0**-24 - 1.0)
-  scale = math.sqrt(2.0) if stddev is None else math.sqrt(2.0) * tf.cast(stddev, tf.float32)
-  return scale * tf.math.erfinv(u)
+def _box_muller(w0: tf.Tensor, w1: tf.Tensor, stddev=None) -> tf.Tensor:
+  """2n float32 N(0, stddev²) draws, r·cos θ then r·sin θ, from two uint32 words per pair.
+
+  The radius r = √(−2 log v) takes a 40-bit uniform v = (w0 + (w1 mod 2⁸ + ½)·2⁻⁸)·2⁻³² in (0, 1],
+  on a grid fine near 0 (float32 holds it to 2⁻²⁴ relatively), so r reaches 7.54σ; the angle θ
+  takes the other 24 bits of w1. TF's samplers (float32 and float64 alike) floor their 23- or
+  52-bit uniform at 1e-7 and stop at 5.68σ: an output beyond the cut can come from one
+  neighbour's sum and not the other's (BUILD_NOTES, "Eleventh pass"), which the deeper tail makes
+  at least 10⁴× rarer.
+  """
+  low = tf.cast(tf.bitwise.bitwise_and(w1, tf.constant(255, tf.uint32)), tf.float32)
+  v = (tf.cast(w0, tf.float32) + (low + 0.5) * 2.0**-8) * 2.0**-32
+  radius = tf.sqrt(-2.0 * tf.math.log(v))
+  if stddev is not None:
+    radius *= tf.cast(stddev, tf.float32)
+  angle = tf.cast(tf.bitwise.right_shift(w1, tf.constant(8, tf.uint32)), tf.float32) * (
+      2 * math.pi * 2.0**-24)
+  return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
 
 
 def _static_size(shape) -> Optional[int]:
@@ -211,8 +185,8 @@ class GaussianSumQuery:
   def _noised(self, tensors: Sequence[tf.Tensor], scale, share: float) -> list[tf.Tensor]:
     if self.noise_multiplier == 0:
       return list(tensors)
-    stddevs = [self.noise_multiplier * share * s for s in _scales(scale, len(tensors))]
-    return [t + n for t, n in zip(tensors, self.source.normal_like(tensors, stddevs))]
+    return [t + self.source.normal(tf.shape(t), t.dtype, stddev=self.noise_multiplier * share * s)
+            for t, s in zip(tensors, _scales(scale, len(tensors)))]
 
   def event(self, *, replace_one: bool = False, num_blocks: int = 1
             ) -> dp_accounting.GaussianDpEvent:
