@@ -12,7 +12,8 @@ same random sum from P + O(M²) normals instead, exactly (up to rounding):
 Let S be the span of the M gradients (an orthonormal basis Q from their Gram matrix) and split each
 n_i = Q α_i + β_i with α_i ~ N(0, s² I_m) and β_i ~ N(0, s² P_S⊥), s = σC. Then
 ‖g_i + n_i‖² = ‖Qᵀg_i + α_i‖² + ‖β_i‖², so the clip weights w_i need only the α_i and the Gram
-matrix B of the β_i, which is s² × Wishart(P − m) and is sampled by Bartlett's decomposition. The
+matrix B of the β_i, which is s² × Wishart(P − m): Bartlett's decomposition samples a triangular
+factor of it, from which B's diagonal and wᵀBw are read without forming B. The
 law of (β_1, …, β_M) is invariant under rotations of S⊥ that leave every w_i unchanged, so
 Σ_i w_i β_i is √(wᵀBw) times a uniform direction of S⊥: one more Gaussian, projected onto S⊥.
 """
@@ -39,26 +40,24 @@ _RANK_TOL = 1e-5
 _DIRECT_GRAM_MAX_DIM = 4096
 
 
-def gram_of_gaussians(source: noise.NoiseSource, num: tf.Tensor, dim: tf.Tensor, stddev: float,
-                      max_dim: Optional[int] = None) -> tf.Tensor:
-  """⟨β_i, β_j⟩ of `num` i.i.d. N(0, stddev² I_dim) vectors, without drawing them when dim is large.
+def gram_factor_of_gaussians(source: noise.NoiseSource, num: tf.Tensor, dim: tf.Tensor,
+                             max_dim: Optional[int] = None) -> tf.Tensor:
+  """F (num × k) with F Fᵀ ~ the Gram matrix ⟨β_i, β_j⟩ of `num` i.i.d. N(0, I_dim) vectors, without
+  drawing the vectors when dim is large.
 
-  Bartlett's decomposition: B = stddev² L Lᵀ ~ stddev² Wishart_num(dim, I), with L lower
-  triangular, L_ii² ~ χ²(dim − i), L_ij ~ N(0, 1) below the diagonal, all drawn from `source`.
-  When `max_dim` (a static bound on dim) is at most _DIRECT_GRAM_MAX_DIM, the vectors are drawn
-  and multiplied instead.
+  Bartlett's decomposition: F = L, lower triangular (num × num), L_ii² ~ χ²(dim − i) (i from 0),
+  L_ij ~ N(0, 1) below the diagonal, all drawn from `source`; when dim < num (a Wishart of rank
+  dim) the columns from dim on are zero. When `max_dim` (a static bound on dim) is at most
+  _DIRECT_GRAM_MAX_DIM, F is the vectors themselves (num × dim), drawn. The caller reads the Gram
+  through F (its diagonal Σ_k F_ik², a quadratic form ‖Fᵀw‖²), never forming F Fᵀ.
   """
-  dim = tf.cast(dim, tf.float64)
   if max_dim is not None and max_dim <= _DIRECT_GRAM_MAX_DIM:
-    x = source.normal(tf.stack([num, tf.cast(dim, tf.int32)]), tf.float64)
-    return stddev**2 * tf.matmul(x, x, transpose_b=True)
-  dof = dim - tf.range(tf.cast(num, tf.float64), dtype=tf.float64)
-  with tf.control_dependencies([tf.debugging.assert_positive(
-      dof, "Bartlett sampling needs more parameters than microbatches.")]):
-    chi2 = 2.0 * source.gamma(tf.shape(dof), dof / 2.0, tf.float64)
+    return source.normal(tf.stack([num, tf.cast(dim, tf.int32)]), tf.float64)
+  dof = tf.cast(dim, tf.float64) - tf.range(tf.cast(num, tf.float64), dtype=tf.float64)
+  column = tf.cast(dof > 0, tf.float64)  # Rank dim: no column beyond it (structure, not a check).
+  chi2 = 2.0 * source.gamma(tf.shape(dof), tf.maximum(dof, 1.0) / 2.0, tf.float64)
   below = tf.linalg.band_part(source.normal(tf.stack([num, num]), tf.float64), -1, 0)
-  lower = tf.linalg.set_diag(below, tf.sqrt(chi2))
-  return stddev**2 * tf.matmul(lower, lower, transpose_b=True)
+  return tf.linalg.set_diag(below, tf.sqrt(chi2)) * column
 
 
 @base.register
@@ -123,16 +122,16 @@ class NoisyGradient(base.Algorithm):
     rank = tf.shape(lam)[0]
     coords = vec * root  # Row i: Qᵀ g_i.
     alpha = s * self.noise.normal(tf.stack([m, rank]), tf.float64)  # Row i: Qᵀ n_i.
-    beta_gram = gram_of_gaussians(self.noise, m, num_params - rank, s,
-                                  max_dim=num_params)  # ⟨P⊥n_i, P⊥n_j⟩
-    norms = tf.sqrt(tf.reduce_sum(tf.square(coords + alpha), 1) + tf.linalg.diag_part(beta_gram))
+    beta = s * gram_factor_of_gaussians(self.noise, m, num_params - rank,
+                                        max_dim=num_params)  # ⟨P⊥n_i, P⊥n_j⟩ = (β βᵀ)_ij
+    norms = tf.sqrt(tf.reduce_sum(tf.square(coords + alpha), 1) + tf.reduce_sum(tf.square(beta), 1))
     w = transforms.clip_factors(norms, self.l2_norm_clip)  # Line 6.
     in_span = tf.linalg.matvec(vec, tf.linalg.matvec(alpha, w, transpose_a=True) / root)
-    # Σ_i w_i P⊥n_i = √(wᵀBw) · P⊥ξ / ‖P⊥ξ‖, ξ ~ N(0, I_P).
+    # Σ_i w_i P⊥n_i = ‖βᵀw‖ · P⊥ξ / ‖P⊥ξ‖, ξ ~ N(0, I_P).
     xi = [self.noise.normal(v.shape, v.dtype) for v in grads.variables]
     q_xi = tf.linalg.matvec(vec, tf.cast(grads.dots(xi), tf.float64), transpose_a=True) / root
     xi_sq = tf.add_n([tf.reduce_sum(tf.square(tf.cast(x, tf.float64))) for x in xi])
-    perp = tf.sqrt(tf.tensordot(w, tf.linalg.matvec(beta_gram, w), 1) / (
+    perp = tf.sqrt(tf.reduce_sum(tf.square(tf.linalg.matvec(beta, w, transpose_a=True))) / (
         xi_sq - tf.reduce_sum(tf.square(q_xi))))
     coef = w + in_span - perp * tf.linalg.matvec(vec, q_xi / root)
     summed = grads.weighted_sum(tf.cast(coef, grads.variables[0].dtype))
