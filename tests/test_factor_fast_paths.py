@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import engine_helpers
 from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import gradients
@@ -182,6 +183,53 @@ def test_batch_axis_through_new_axes_and_computed_tile_multiples():
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([4, 3, 2]), tf.TensorSpec([], tf.int32))
   assert results == [[0, 1, 1, 0, 2, 0, None, None, None, None, 0, None]]
+
+
+def test_time_major_rows_are_regrouped_only_when_every_input_is_time_major():
+  """A tensordot of time-major data, (T, B, K) → (T·B, K) → MatMul → (T, B, O), keeps the examples
+  on axis 1. Rows of that merged axis added to example-major rows of the same shape hold two
+  examples each, and nothing after them is proven; nor is any other reshape of the merged rows."""
+  from tfdp_variants.per_example import trace
+
+  results = []
+
+  def axes(x):  # (B, T, K) = (B, 3, 2)
+    rows = tf.reshape(tf.transpose(x, [1, 0, 2]), [-1, 2])  # (T·B, K), time-major rows.
+    out = tf.matmul(rows, tf.ones([2, 5]))
+    mixed = rows + tf.reshape(x, [-1, 2])  # Plus example-major rows.
+    cases = [tf.reshape(out, [3, -1, 5]), tf.reshape(mixed, [3, -1, 2]), rows,
+             tf.reshape(out, [-1, 3, 5]), tf.reshape(out, [3, -1, 5, 1])]
+    results.append([trace.batch_axis(t) for t in cases])
+    return x
+
+  tf.function(axes).get_concrete_function(tf.TensorSpec([None, 3, 2]))
+  assert results == [[1, None, None, None, None]]
+
+
+class _BiasOverExamples(tf.keras.layers.Layer):
+  """A bias added along the examples' axis (x transposed to (K, B)): entry b moves example b
+  only, which the BiasAdd rule (a bias shared by every example's rows) must not take."""
+
+  def build(self, input_shape):
+    self.b = self.add_weight(name="b", shape=(input_shape[0],))
+
+  def call(self, x):
+    return tf.transpose(tf.nn.bias_add(tf.transpose(x) * 2.0, self.b))
+
+
+def test_bias_added_along_the_examples_takes_the_fallback_exactly():
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([tf.keras.layers.Input((3,), batch_size=4), _BiasOverExamples(),
+                               tf.keras.layers.Dense(2)])
+  x, y = tf.random.normal([4, 3]), tf.random.normal([4, 2])
+  ours, taken = engine_helpers.gradients_and_rules(model, x, y)
+  assert taken == ["fallback", "outer", "rowsum"]
+  for i in range(4):
+    with tf.GradientTape() as tape:
+      loss = engine_helpers.mse(y, model(x, training=True))[i]
+    ref = tape.gradient(loss, model.trainable_variables)
+    for g, r in zip(ours, ref):
+      np.testing.assert_allclose(g[i], r, rtol=1e-4, atol=1e-6)
 
 
 def test_zeros_of_the_batch_size_are_batched():

@@ -161,8 +161,8 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "embedding_pooling": (lambda: _seq((5,), L.Embedding(11, 4), L.GlobalAveragePooling1D(),
                                        L.Dense(2), dtype="int32"),
                           _ints(B, 5), ["gather", *DENSE]),
-    # The ids' examples lie on axis 1: the gather rule cannot group rows, the fallback is exact.
-    "embedding_time_major": (_time_major_embedding, _ints(B, 5), ["fallback", *DENSE]),
+    # The ids' examples lie on axis 1: the gather rule moves that axis first.
+    "embedding_time_major": (_time_major_embedding, _ints(B, 5), ["gather", *DENSE]),
     # Looped RNNs: the batch-axis analysis follows the while loop, so the layers after it take
     # their rules; the cell's own weights as `RNN` says.
     "lstm": (lambda: _seq((4, 3), L.LSTM(3), L.Dense(2)), _floats(B, 4, 3), RNN + DENSE),

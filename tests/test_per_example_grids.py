@@ -147,7 +147,8 @@ RULES = {
     "conv1d_g2_s1_d1": ["grouped", "rowsum", "outer", "rowsum"],
     "embedding_ragged": ["fallback"] * 3,  # Ragged components never count as example-major.
     "table_rank3": ["gather", "outer", "rowsum"],
-    "time_major_mlp": ["fallback"] * 4,  # Dense on (T, B, ·): rows are time-major.
+    # Dense on (T, B, ·): a tensordot's rows are time-major, regrouped by example.
+    "time_major_mlp": ["outer", "rowsum"] * 2,
     "time_major_stack_back": ["outer", "rowsum"] * 3,
     "layer_norm_3d": ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum", "outer",
                       "rowsum"],
@@ -193,7 +194,8 @@ def test_grid_matches_single_example_gradients(name, num_microbatches):
 
 
 @pytest.mark.parametrize("name", ["conv2d_g2_s2_same_d1", "conv1d_g2_s1_d2", "conv3d_g2",
-                                  "table_rank3", "embedding_ragged", "time_major_stack"])
+                                  "table_rank3", "embedding_ragged", "time_major_stack",
+                                  "time_major_mlp"])
 def test_fit_clips_exact_per_example_gradients(name):
   """One noiseless DPSGD step in `fit` equals lr · mean of clipped single-example gradients."""
   model, x, y = _build(name)

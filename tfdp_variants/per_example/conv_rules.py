@@ -201,7 +201,7 @@ def _blocks(x: tf.Tensor) -> Optional[int]:
   """How many blocks axis 0 of `x` holds: 1 if it is the examples, prod(block shape) after a
   SpaceToBatchND (a dilated conv; block-major, each block example-major), None if unproven."""
   info = trace.batch_info(x)
-  if not isinstance(info, trace.Batch) or info.axis != 0 or info.block == trace.MERGED:
+  if not isinstance(info, trace.Batch) or info.axis != 0 or info.block[:1] == trace.MERGED:
     return None
   return math.prod(info.block)
 

@@ -3,10 +3,11 @@
 A rule reads one op that uses a variable: the op's input rows, grouped by example, and the gradient
 of its output give the variable's per-example gradients as a factor (`factors.py`). A use matches
 only when `trace.batch_axis` proves the op's input has the examples on axis 0 (a dilated conv's
-SpaceToBatchND: blocks of them, `conv_rules.py`); every other use sends its variable to the exact
-fallback. Adding an op or a layer is one entry of `RULES`. A use may read one block of its
-variable (a Split, Unpack or constant unit-stride StridedSlice of the read, `Slot`): its rule gives
-the block's factor as a variable's of the block's shape, and `join` puts the blocks in place.
+SpaceToBatchND: blocks of them, `conv_rules.py`; MatMul, BiasAdd and gathers also take time-major
+data, its examples' axis moved first); every other use sends its variable to the exact fallback.
+Adding an op or a layer is one entry of `RULES`. A use may read one block of its variable (a
+Split, Unpack or constant unit-stride StridedSlice of the read, `Slot`): its rule gives the block's
+factor as a variable's of the block's shape, and `join` puts the blocks in place.
 
 `PFOR_WRONG` lists the ops whose `tf.vectorized_map` (pfor) conversion is wrong, found by comparing
 vectorized Jacobians with a loop of `tf.gradients` over Keras' layers; a fallback whose backward pass
@@ -30,6 +31,28 @@ from tfdp_variants.per_example import trace
 def _rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
   """(M, rows, width): `t`'s rows grouped by microbatch (examples on axis 0, proven by the match)."""
   return tf.reshape(tf.cast(t, dtype), [m, -1, width])
+
+
+def _examples_first(t: tf.Tensor, axis: int) -> tf.Tensor:
+  """`t` with the axis holding its examples (proven by the match) moved to the front: time-major
+  (T, B, ...) data becomes (B, T, ...)."""
+  if axis == 0:
+    return t
+  return tf.transpose(t, [axis] + [i for i in range(t.shape.rank) if i != axis])
+
+
+def _merged_rows(a: tf.Tensor) -> Optional[tuple[tf.Tensor, int]]:
+  """(x, b) when `a` (rows, K) is a Reshape of x (..., B, K) whose examples lie on axis b ≥ 1
+  behind static axes (`tf.tensordot` of time-major data, as Dense runs on it): the reshape keeps
+  x's row-major order, so x's rows, examples first, are `a`'s rows grouped by example."""
+  if a.op.type != "Reshape" or a.shape.rank != 2:
+    return None
+  x = a.op.inputs[0]
+  b = trace.batch_axis(x)
+  if (not b or x.shape.rank != b + 2 or not x.shape[:b].is_fully_defined()
+      or x.shape[-1] is None or x.shape[-1] != a.shape[-1]):
+    return None
+  return x, b
 
 
 def _channels_last(op: tf.Operation) -> bool:
@@ -187,7 +210,8 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 
 def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if (op.type != "MatMul" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
-      or op.get_attr("transpose_a") or trace.batch_axis(op.inputs[0]) != 0):
+      or op.get_attr("transpose_a") or (trace.batch_axis(op.inputs[0]) != 0
+                                        and _merged_rows(op.inputs[0]) is None)):
     return None
   return "matmul"
 
@@ -221,34 +245,46 @@ def _zero_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 
 
 def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
-  """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose)."""
+  """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose); rows of time-major data
+  (`_merged_rows`) regrouped by example."""
   # Widths from the kernel: Keras 3 reshapes a (B, T, K) input to a static (None, None).
   fan_in, fan_out = var.shape[::-1] if op.get_attr("transpose_b") else var.shape
-  a = _rows(op.inputs[0], m, fan_in, var.dtype)
+  a = op.inputs[0]
+  merged = None if trace.batch_axis(a) == 0 else _merged_rows(a)
+  if merged is not None:
+    x, b = merged
+    a = _examples_first(x, b)
+    grad = _examples_first(tf.reshape(grad, [*x.shape[:b], -1, fan_out]), b)
+  a = _rows(a, m, fan_in, var.dtype)
   d = _rows(grad, m, fan_out, var.dtype)
   return F.Outer(d, a, tuple(var.shape)) if op.get_attr("transpose_b") else F.Outer(
       a, d, tuple(var.shape))
 
 
 def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  if (op.type != "BiasAdd" or not trace.same(op.inputs[1], var_input)
-      or trace.batch_axis(op.inputs[0]) != 0):
+  if op.type != "BiasAdd" or not trace.same(op.inputs[1], var_input):
+    return None
+  axis, rank = trace.batch_axis(op.inputs[0]), op.inputs[0].shape.rank
+  if axis is None or (axis != 0 and (op.get_attr("data_format") == b"NCHW" or rank is None
+                                     or axis == rank - 1)):  # Not the bias's own axis.
     return None
   return "bias_add"
 
 
 def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
                      var: tf.Variable) -> F.Factor:
-  """BiasAdd: g = Σ_t dz_t."""
+  """BiasAdd: g = Σ_t dz_t (examples on any axis of channels-last data)."""
   if op.get_attr("data_format") == b"NCHW":
     grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
+  else:
+    grad = _examples_first(grad, trace.batch_axis(op.inputs[0]))
   # The bias may be a squeezed read (a one-head attention's (1, D) bias): its width is its size.
   return F.row_sum(_rows(grad, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
 
 
 def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if (op.type != "ResourceGather" or not trace.same(op.inputs[0], var_input)
-      or op.get_attr("batch_dims") != 0 or trace.batch_axis(op.inputs[1]) != 0
+      or op.get_attr("batch_dims") != 0 or trace.batch_axis(op.inputs[1]) is None
       or not op.inputs[0].dtype == tf.resource):
     return None
   return "gather"
@@ -263,23 +299,26 @@ def _whole_read(t: tf.Tensor) -> bool:
 
 
 def _rows_gathered(op: tf.Operation, table: tf.Tensor) -> bool:
-  """Whether `op` is a GatherV2 of rows (axis 0) of `table` by example-major ids."""
+  """Whether `op` is a GatherV2 of rows (axis 0) of `table` by ids with their examples on a proven
+  axis."""
   return (op.type == "GatherV2" and trace.same(op.inputs[0], table)
           and not trace.same(op.inputs[1], table) and op.get_attr("batch_dims") == 0
-          and trace.constant_value(op.inputs[2]) == 0 and trace.batch_axis(op.inputs[1]) == 0)
+          and trace.constant_value(op.inputs[2]) == 0
+          and trace.batch_axis(op.inputs[1]) is not None)
 
 
 def _match_gather_v2(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  """GatherV2 of a read (Keras 3's Embedding): rows (axis 0) of the table by example-major ids."""
+  """GatherV2 of a read (Keras 3's Embedding): rows (axis 0) of the table by ids."""
   return "gather_v2" if _rows_gathered(op, var_input) and _whole_read(var_input) else None
 
 
 def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """ResourceGather/GatherV2 (Embedding): g = Σ_t onehot(id_t) ⊗ dz_t, a table row of any rank
-  per id."""
+  per id; the ids' examples on any axis (the output's examples on the same)."""
   width = math.prod(var.shape[1:])
-  return F.Gather(tf.reshape(op.inputs[1], [m, -1]), _rows(grad, m, width, var.dtype),
-                  tuple(var.shape))
+  axis = trace.batch_axis(op.inputs[1])
+  return F.Gather(tf.reshape(_examples_first(op.inputs[1], axis), [m, -1]),
+                  _rows(_examples_first(grad, axis), m, width, var.dtype), tuple(var.shape))
 
 
 # ---------------------------------------------------------------------------------------------

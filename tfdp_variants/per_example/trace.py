@@ -74,7 +74,10 @@ class Batch:
   `block`: the block shape of a SpaceToBatchND (a dilated conv) whose axis 0 is (block, example)
   until the BatchToSpaceND of the same block shape restores example-major order; `MERGED` for an
   axis each of whose entries belongs to one example, in no example-major order (a reshape merged
-  the batch axis with an earlier one).
+  the batch axis with earlier ones), followed by the static sizes of those earlier axes when known
+  (`_merged_sizes`): a reshape that splits them off again restores the batch axis
+  (`tf.tensordot` of time-major data, as Dense runs on it: (T, B, K) → (T·B, K) → MatMul →
+  (T, B, O)).
   """
 
   axis: Optional[int]
@@ -98,6 +101,14 @@ class Mixed:
 NO_BATCH = Batch(None)
 _DATA = Batch(0)
 MERGED = ("merged",)  # `Batch.block` of an axis that interleaves the examples (a merging reshape).
+
+
+def _merged_sizes(info: "Info") -> Optional[tuple[int, ...]]:
+  """The static sizes of the axes merged before the examples into `info`'s axis; None if `info`
+  is not a merged axis or they are unknown."""
+  if not isinstance(info, Batch) or info.block[:1] != MERGED or len(info.block) == 1:
+    return None
+  return info.block[1:]
 Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 
 
@@ -292,6 +303,8 @@ def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
   x, y = op.inputs[0].shape, op.outputs[0].shape
   if ins[1].axis is not None or x.rank is None or y.rank is None:
     return None
+  if ins[0].block:  # Only a split restoring a merged axis (`_unmerge`) keeps the examples.
+    return _unmerge(op, ins[0])
   if all(d == 1 for d in x[:b]):
     j = next((i for i, d in enumerate(y) if d != 1), None)
     if j is None:
@@ -307,7 +320,23 @@ def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
   j = y.rank - (x.rank - b - 1) - 1  # Axes after the batch axis kept, those before merged into it.
   if j >= 0 and x[:j].is_fully_defined() and (
       x[:j] == y[:j] and x[b + 1:].is_fully_defined() and x[b + 1:] == y[j + 1:]):
-    return Batch(j, MERGED)
+    sizes = tuple(x[j:b].as_list()) if x[j:b].is_fully_defined() else ()
+    return Batch(j, MERGED + sizes)
+  return None
+
+
+def _unmerge(op: tf.Operation, info: Batch) -> Info:
+  """A Reshape of a merged axis j (`_merged_sizes`) back into its sizes and the batch axis, every
+  other axis unchanged: the examples lie on the axis after the sizes."""
+  sizes, j = _merged_sizes(info), info.axis
+  x, y = op.inputs[0].shape, op.outputs[0].shape
+  if (sizes is None or y.rank != x.rank + len(sizes) or not x[:j].is_fully_defined()
+      or not x[j + 1:].is_fully_defined()):
+    return None
+  k = j + len(sizes)
+  if (y[:j].as_list() == x[:j].as_list() and tuple(y[j:k].as_list()) == sizes
+      and y[k + 1:].as_list() == x[j + 1:].as_list()):
+    return Batch(k)
   return None
 
 
@@ -649,7 +678,7 @@ _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 # Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
 # on a blocked tensor makes the axis unknown.
 _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D", "Conv3D",
-                         "DepthwiseConv2dNative", "BatchToSpaceND"})
+                         "DepthwiseConv2dNative", "BatchToSpaceND", "MatMul"})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
                            "TensorListLength", "TensorListElementShape"})
@@ -943,10 +972,13 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = ins
       elif op.type in _AXIS_RULES:
         out = _AXIS_RULES[op.type](op, ins)
-        block = {i.block for i in ins if i.block}
-        if block and out is not None and op.type != "BatchToSpaceND":
+        # A block order is kept only when every batched input has it: rows of a blocked (or
+        # merged) tensor and of an example-major one hold different examples.
+        blocks = {i.block for i in ins if i.axis is not None}
+        block = {b for b in blocks if b}
+        if block and out is not None and op.type not in ("BatchToSpaceND", "Reshape"):
           out = dataclasses.replace(out, block=block.pop()) if (
-              op.type in _BLOCK_SAFE and len(block) == 1) else None
+              op.type in _BLOCK_SAFE and len(blocks) == 1) else None
         outs = [out] * len(op.outputs)
       else:
         outs = [None] * len(op.outputs)
