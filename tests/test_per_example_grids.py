@@ -88,6 +88,16 @@ def _lstm_time_major():
   return tf.keras.Model(x, L.Dense(2)(lstm(h)))
 
 
+def _time_major(*layers):
+  """`layers` run on (T, B, ·) data: the examples on axis 1 from a swap of the input's axes."""
+  x = L.Input((3, 4))
+  h = L.Lambda(lambda t: tf.experimental.numpy.swapaxes(t, 0, 1))(x)
+  for layer in layers:
+    h = layer(h)
+  h = L.Lambda(lambda t: tf.experimental.numpy.swapaxes(t, 0, 1))(h)
+  return tf.keras.Model(x, L.Dense(2)(L.Flatten()(h)))
+
+
 def _mha():
   x = L.Input((3, 4))
   return tf.keras.Model(x, L.Dense(2)(L.Flatten()(L.MultiHeadAttention(2, 2)(x, x))))
@@ -136,6 +146,11 @@ OTHER = {
                                                            L.Flatten(), L.Dense(2)]),
                               _floats(B, 3, 4)),
     "lstm_time_major": (_lstm_time_major, _floats(B, 3, 4)),
+    "einsum_dense_time_major": (lambda: _time_major(L.EinsumDense("abc,cde->abde", (None, 2, 3),
+                                                                  bias_axes="e")),
+                                _floats(B, 3, 4)),
+    "layer_norm_time_major": (lambda: _time_major(L.Dense(4), L.LayerNormalization()),
+                              _floats(B, 3, 4)),
     "mha": (_mha, _floats(B, 3, 4)),
     "layer_norm_3d": (lambda: _seq((3, 4), L.Dense(4), L.LayerNormalization(), L.Dense(3)),
                       _floats(B, 3, 4)),
@@ -149,6 +164,8 @@ RULES = {
     "table_rank3": ["gather", "outer", "rowsum"],
     # Dense on (T, B, ·): a tensordot's rows are time-major, regrouped by example.
     "time_major_mlp": ["outer", "rowsum"] * 2,
+    "einsum_dense_time_major": ["outer", "rowsum"] * 2,
+    "layer_norm_time_major": ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum"],
     "time_major_stack_back": ["outer", "rowsum"] * 3,
     "layer_norm_3d": ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum", "outer",
                       "rowsum"],

@@ -328,8 +328,9 @@ _SIGNED_OPS = ("Mul", "AddV2", "Add", "Sub")
 
 
 def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.Tensor, int]]:
-  """For `x ∘ w` (∘ in `_SIGNED_OPS`), w = `var_input` broadcast against an example-major x of
-  the output's rank, w constant along axis 0: (x, the sign of z's derivative in w), else None."""
+  """For `x ∘ w` (∘ in `_SIGNED_OPS`), w = `var_input` broadcast against x of the output's rank,
+  its examples on a proven axis along which w is constant: (x, the sign of z's derivative in w),
+  else None."""
   if op.type not in _SIGNED_OPS or len(op.inputs) != 2:
     return None
   k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
@@ -338,10 +339,10 @@ def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.
   x, w, z = op.inputs[1 - k[0]], op.inputs[k[0]], op.outputs[0]
   rank = z.shape.rank
   if (rank is None or x.shape.rank != rank or w.shape.rank is None or w.shape.rank > rank
-      or not w.shape.is_fully_defined() or trace.batch_axis(x) != 0):
+      or not w.shape.is_fully_defined() or trace.batch_axis(x) is None):
     return None
-  if w.shape.rank == rank and w.shape[0] != 1:  # w would vary along the examples.
-    return None
+  if ([1] * (rank - w.shape.rank) + w.shape.as_list())[trace.batch_axis(x)] != 1:
+    return None  # w would vary along the examples.
   return x, -1 if op.type == "Sub" and k[0] == 1 else 1
 
 
@@ -363,9 +364,11 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
     d = d * tf.cast(x, var.dtype)
   elif sign < 0:
     d = -d
-  reduced = [i for i in range(1, rank) if dims[i] == 1]
+  b = trace.batch_axis(x)
+  reduced = [i for i in range(rank) if i != b and dims[i] == 1]
   if reduced:
     d = tf.reduce_sum(d, axis=reduced)
+  d = _examples_first(d, sum(1 for i in range(b) if i not in reduced))
   return F.row_sum(_rows(d, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
 
 
@@ -375,9 +378,9 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 
 @dataclasses.dataclass(frozen=True)
 class _Einsum:
-  """An Einsum x·w whose kernel w = C + Q (contracted labels C first, then Q, each once) meets an
-  example-major x = P ∪ C (P: labels not in w, examples first) in out = P ∪ Q, an ellipsis taken
-  as labels: x transposed by `x_perm` to (P, C) and the output by `out_perm` to (P, Q) give the
+  """An Einsum x·w whose kernel w = C + Q (contracted labels C first, then Q, each once) meets x =
+  P ∪ C (P: labels not in w, the examples' label, on any axis, moved first) in out = P ∪ Q, an
+  ellipsis taken as labels: x transposed by `x_perm` to (P, C) and the output by `out_perm` to (P, Q) give the
   rows of an `Outer` (EinsumDense, its ellipsis on either side); `contracted` = |C|."""
 
   x_perm: list
@@ -396,10 +399,12 @@ def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
   c = [a for a in w_spec if a in x_spec]
   q = [a for a in w_spec if a not in x_spec]
   p = [a for a in x_spec if a not in w_spec]
+  axis = trace.batch_axis(op.inputs[0])
   if (any(len(set(spec)) != len(spec) for spec in (x_spec, w_spec, out))
-      or list(w_spec) != c + q or sorted(out) != sorted(p + q) or not p or p[0] != x_spec[0]
-      or len(w_spec) != var_input.shape.rank or trace.batch_axis(op.inputs[0]) != 0):
+      or list(w_spec) != c + q or sorted(out) != sorted(p + q)
+      or len(w_spec) != var_input.shape.rank or axis is None or x_spec[axis] not in p):
     return None
+  p = [x_spec[axis]] + [a for a in p if a != x_spec[axis]]  # The examples first.
   return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c))
 
 
@@ -408,12 +413,13 @@ def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 
 
 def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  """BatchMatMul of an example-major x (…, T, K) and a 2-D kernel (Keras 3's EinsumDense)."""
+  """BatchMatMul of x (…, T, K), its examples on any axis but K, and a 2-D kernel (Keras 3's
+  EinsumDense)."""
   if (op.type not in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
       or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("adj_x") or var_input.shape.rank != 2
       or op.inputs[0].shape.rank is None or op.inputs[0].shape.rank < 2
-      or trace.batch_axis(op.inputs[0]) != 0):
+      or trace.batch_axis(op.inputs[0]) in (None, op.inputs[0].shape.rank - 1)):
     return None
   return "batch_matmul"
 
@@ -428,6 +434,9 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   if op.type == "Einsum":
     use = _einsum_use(op, w)
     x, grad, c = tf.transpose(x, use.x_perm), tf.transpose(grad, use.out_perm), use.contracted
+  else:  # The output keeps x's leading axes: the examples' axis of both moved first.
+    axis = trace.batch_axis(x)
+    x, grad = _examples_first(x, axis), _examples_first(grad, axis)
   sizes = w.shape.as_list()
   fan_in, fan_out = math.prod(sizes[:c]), math.prod(sizes[c:])
   if transposed:
