@@ -380,8 +380,9 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 class _Einsum:
   """An Einsum x·w whose kernel w = C + Q (contracted labels C first, then Q, each once) meets x =
   P ∪ C (P: labels not in w, the examples' label, on any axis, moved first) in out = P ∪ Q, an
-  ellipsis taken as labels: x transposed by `x_perm` to (P, C) and the output by `out_perm` to (P, Q) give the
-  rows of an `Outer` (EinsumDense, its ellipsis on either side); `contracted` = |C|."""
+  ellipsis taken as labels: x transposed by `x_perm` to (P, C) and the output by `out_perm` to
+  (P, Q) give the rows of an `Outer` (EinsumDense, its ellipsis on either side); `contracted` =
+  |C|."""
 
   x_perm: list
   out_perm: list
