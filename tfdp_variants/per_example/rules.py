@@ -41,18 +41,11 @@ def _examples_first(t: tf.Tensor, axis: int) -> tf.Tensor:
   return tf.transpose(t, [axis] + [i for i in range(t.shape.rank) if i != axis])
 
 
-def _merged_rows(a: tf.Tensor) -> Optional[tuple[tf.Tensor, int]]:
-  """(x, b) when `a` (rows, K) is a Reshape of x (..., B, K) whose examples lie on axis b ≥ 1
-  behind static axes (`tf.tensordot` of time-major data, as Dense runs on it): the reshape keeps
-  x's row-major order, so x's rows, examples first, are `a`'s rows grouped by example."""
-  if a.op.type != "Reshape" or a.shape.rank != 2:
-    return None
-  x = a.op.inputs[0]
-  b = trace.batch_axis(x)
-  if (not b or x.shape.rank != b + 2 or not x.shape[:b].is_fully_defined()
-      or x.shape[-1] is None or x.shape[-1] != a.shape[-1]):
-    return None
-  return x, b
+def _unmerged(t: tf.Tensor, sizes: tuple[int, ...], width: int) -> tf.Tensor:
+  """Rows (S·B, width) whose axis 0 merges static axes of `sizes` with the examples' axis after
+  them (`trace.merged_rows`: a `tf.tensordot` of time-major data, as Dense runs on it), as
+  (B, S, width)."""
+  return _examples_first(tf.reshape(t, [*sizes, -1, width]), len(sizes))
 
 
 def _channels_last(op: tf.Operation) -> bool:
@@ -211,7 +204,7 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if (op.type != "MatMul" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("transpose_a") or (trace.batch_axis(op.inputs[0]) != 0
-                                        and _merged_rows(op.inputs[0]) is None)):
+                                        and trace.merged_rows(op.inputs[0]) is None)):
     return None
   return "matmul"
 
@@ -245,16 +238,14 @@ def _zero_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 
 
 def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
-  """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose); rows of time-major data
-  (`_merged_rows`) regrouped by example."""
+  """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose); time-major rows
+  (`trace.merged_rows`) regrouped by example."""
   # Widths from the kernel: Keras 3 reshapes a (B, T, K) input to a static (None, None).
   fan_in, fan_out = var.shape[::-1] if op.get_attr("transpose_b") else var.shape
   a = op.inputs[0]
-  merged = None if trace.batch_axis(a) == 0 else _merged_rows(a)
-  if merged is not None:
-    x, b = merged
-    a = _examples_first(x, b)
-    grad = _examples_first(tf.reshape(grad, [*x.shape[:b], -1, fan_out]), b)
+  sizes = None if trace.batch_axis(a) == 0 else trace.merged_rows(a)
+  if sizes is not None:
+    a, grad = _unmerged(a, sizes, fan_in), _unmerged(grad, sizes, fan_out)
   a = _rows(a, m, fan_in, var.dtype)
   d = _rows(grad, m, fan_out, var.dtype)
   return F.Outer(d, a, tuple(var.shape)) if op.get_attr("transpose_b") else F.Outer(
@@ -339,10 +330,11 @@ def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.
   x, w, z = op.inputs[1 - k[0]], op.inputs[k[0]], op.outputs[0]
   rank = z.shape.rank
   if (rank is None or x.shape.rank != rank or w.shape.rank is None or w.shape.rank > rank
-      or not w.shape.is_fully_defined() or trace.batch_axis(x) is None):
+      or not w.shape.is_fully_defined()):
     return None
-  if ([1] * (rank - w.shape.rank) + w.shape.as_list())[trace.batch_axis(x)] != 1:
-    return None  # w would vary along the examples.
+  axis = trace.batch_axis(x)
+  if axis is None or ([1] * (rank - w.shape.rank) + w.shape.as_list())[axis] != 1:
+    return None  # Unproven, or w would vary along the examples.
   return x, -1 if op.type == "Sub" and k[0] == 1 else 1
 
 

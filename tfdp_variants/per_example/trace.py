@@ -101,15 +101,15 @@ class Mixed:
 NO_BATCH = Batch(None)
 _DATA = Batch(0)
 MERGED = ("merged",)  # `Batch.block` of an axis that interleaves the examples (a merging reshape).
+Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 
 
-def _merged_sizes(info: "Info") -> Optional[tuple[int, ...]]:
+def _merged_sizes(info: Info) -> Optional[tuple[int, ...]]:
   """The static sizes of the axes merged before the examples into `info`'s axis; None if `info`
   is not a merged axis or they are unknown."""
   if not isinstance(info, Batch) or info.block[:1] != MERGED or len(info.block) == 1:
     return None
   return info.block[1:]
-Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 
 
 def constant_value(t: tf.Tensor):
@@ -996,6 +996,14 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
 def batch_info(t: tf.Tensor) -> Info:
   """Where `t`'s examples lie: a `Batch` (axis None: no example), `Mixed`, or None if unknown."""
   return _analyse(t, _graph_memo(t.graph, _AXES))
+
+
+def merged_rows(t: tf.Tensor) -> Optional[tuple[int, ...]]:
+  """For `t` whose axis 0 merges static axes of these sizes with the examples' axis after them
+  (time-major rows, (T·B, ...)): the sizes, so that a reshape to (*sizes, B, ...) restores the
+  examples' axis; None otherwise."""
+  info = batch_info(t)
+  return _merged_sizes(info) if isinstance(info, Batch) and info.axis == 0 else None
 
 
 def batch_axis(t: tf.Tensor) -> Optional[int]:
