@@ -281,6 +281,29 @@ def test_mixed_precision_trains(mixed_float16, cls, learning_rate):
 
 
 @pytest.mark.keras2_only
+def test_mixed_precision_filters_the_unscaled_gradients(mixed_float16):
+  """The tanh filter's factored sums (its power series on the Dense kernels) see g_m, not the
+  loss-scaled s·g_m: one noiseless step is (1/B) Σ_i c·tanh(g_i/k) at float16's precision."""
+  x, y = _data()
+  c, k = 1.5, 0.05
+  optimizer = tfdp_variants.TanhFilterSGD(CLIP, 0.0, output_range=c, active_range=k,
+                                          learning_rate=LR)
+  model = _fit_one_step(_model(), x, y, optimizer)
+  assert isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+  tf.keras.mixed_precision.set_global_policy("float32")
+  reference = _model()
+  before = reference.get_weights()
+  grads = []
+  for i in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(_loss()(y[i:i + 1], reference(x[i:i + 1], training=True)))
+    grads.append(tape.gradient(loss, reference.trainable_variables))
+  for v, (w0, w1) in enumerate(zip(before, model.get_weights())):
+    g = np.stack([gs[v].numpy() for gs in grads])
+    np.testing.assert_allclose(w0 - w1, LR * (c * np.tanh(g / k)).mean(0), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.keras2_only
 def test_mixed_precision_skips_an_overflowing_step(mixed_float16):
   x, y = _data()
   model = _model()

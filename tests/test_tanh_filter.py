@@ -218,3 +218,86 @@ def test_config_round_trip():
 def test_bad_options(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _cls()(1.0, 1.0, **kwargs)
+
+
+def test_tanh_series_constants_hold_within_float32_rounding():
+  """The first n + 1 terms of the filter's power series are tanh to within 2⁻²⁶ relatively on
+  |y| ≤ radii[n], the five terms up to 1/4."""
+  from tfdp_variants.algorithms import tanh_filter
+  radii = tanh_filter._TANH_RADII
+  assert radii[-1] == 0.25 and list(radii) == sorted(radii)
+  for n, radius in enumerate(radii):
+    y = np.linspace(-radius, radius, 20001)
+    y = y[y != 0]
+    series = sum(c * y**(2 * i + 1) for i, c in enumerate(tanh_filter._TANH_SERIES[:n + 1]))
+    assert np.max(np.abs(series - np.tanh(y)) / np.abs(np.tanh(y))) < 2.0**-26
+
+
+@pytest.mark.parametrize("chunk_size,top", [(1, 0.25), (8, 0.25), (8, 0.05), (8, 1e-5)])
+def test_rank_one_rows_filtered_by_series_or_materialized(chunk_size, top):
+  """Σ_m f(a_m d_mᵀ) from an `Outer` of one row per microbatch, against float64 NumPy: rows
+  inside the series' radius (the largest at `top`, which sets the terms taken), on its edge and
+  beyond it (materialized), a zero row, and rows whose factors alone would overflow or vanish in a
+  power."""
+  from tfdp_variants.per_example import factors
+  c, k = 2.0, 0.5
+  rng = np.random.default_rng(0)
+  a, d = rng.normal(size=(8, 5)), rng.normal(size=(8, 4))
+  a /= np.abs(a).max(1, keepdims=True)
+  d /= np.abs(d).max(1, keepdims=True)
+  # Largest |entry| of g_m / k: top, 0.8·top, 0.25 (the edge), 3, 0 (a zero row), 0.4·top (from
+  # factors 1e30 and 1e-31), 1e-12, 40.
+  scales = [(top * k, 1.0), (0.8 * top * k, 1.0), (0.125, 1.0), (1.5, 1.0), (0.0, 1.0),
+            (1e30, 0.4 * top * k * 1e-30), (1e-20, 5e7), (20.0, 1.0)]
+  for m, (sa, sd) in enumerate(scales):
+    a[m] *= sa
+    d[m] *= sd
+  if top < 0.25:  # Inside rows only, so that their sum is not lost beside the others'.
+    a, d = np.delete(a, [2, 3, 7], 0), np.delete(d, [2, 3, 7], 0)
+  f = tfdp_variants.algorithms.tanh_filter.TanhFilter(1.0, 0.0, output_range=c,
+                                                      active_range=k)._odd_filter()
+  outer = factors.Outer(tf.constant(a[:, None], tf.float32), tf.constant(d[:, None], tf.float32),
+                        (5, 4))
+  got = outer.elementwise_sum(f, chunk_size).numpy()
+  a32, d32 = a.astype(np.float32).astype(np.float64), d.astype(np.float32).astype(np.float64)
+  want = (c * np.tanh(a32[:, :, None] * d32[:, None, :] / k)).sum(0)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * c * top)
+
+
+def _embedding_model():
+  tf.keras.utils.set_random_seed(0)
+  return tf.keras.Sequential([L.Input((4,), dtype="int32"), L.Embedding(6, 3),
+                              L.GlobalAveragePooling1D(), L.Dense(2)])
+
+
+@pytest.mark.parametrize("build,x,k", [
+    (_embedding_model, np.array([[1, 1, 2, 5], [0, 0, 0, 0], [3, 1, 4, 1], [2, 5, 2, 5]] * 2,
+                                np.int32), 0.1),
+    (lambda: tf.keras.Sequential([L.Input((3,)), L.Dense(4, activation="tanh"), L.Dense(2)]),
+     np.random.default_rng(1).normal(size=(B, 3)).astype("float32") * np.array(
+         [0.01, 0.1, 1, 10] * 2, np.float32)[:, None], 0.5),
+])
+def test_factored_filter_step_matches_single_example_gradients(build, x, k):
+  """σ = 0, one example per microbatch: ĝ = (1/M) Σ_m c·tanh(g_m/k) where the embedding's g_m
+  are filtered from the rows each example touches (ids repeated within an example) and the Dense
+  kernels' from their series (rows in and out of its radius), against single-example tapes."""
+  c = 1.5
+  model = build()
+  y = np.random.default_rng(2).normal(size=(B, 2)).astype("float32")
+  loss = tf.keras.losses.MeanSquaredError(reduction="none")
+  before = model.get_weights()
+  grads = []
+  for i in range(B):
+    with tf.GradientTape() as tape:
+      value = tf.reduce_mean(loss(y[i:i + 1], model(x[i:i + 1])))
+    grads.append([tf.convert_to_tensor(g).numpy().astype(np.float64)
+                  for g in tape.gradient(value, model.trainable_variables)])
+  model.compile(optimizer=_cls()(1.0, 0.0, output_range=c, active_range=k, learning_rate=1.0),
+                loss=loss)
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  for v, (w0, w1) in enumerate(zip(before, model.get_weights())):
+    g = np.stack([gs[v] for gs in grads])
+    if v == len(before) - 2:  # The head's kernel: some rows in the series' radius, some not.
+      largest = np.abs(g / k).reshape(B, -1).max(1)
+      assert (largest <= 0.25).any() and (largest > 0.25).any()
+    np.testing.assert_allclose(w0 - w1, (c * np.tanh(g / k)).mean(0), rtol=1e-5, atol=1e-6)

@@ -14,7 +14,8 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
 Σ_m w_m g_m, the materialized g_m for a slice of microbatches, the Gram matrix ⟨g_m, g_n⟩ and the
-inner products ⟨g_m, x⟩ with a tensor x of the variable's shape, and `masked(keep)`, the factor
+inner products ⟨g_m, x⟩ with a tensor x of the variable's shape, Σ_m f(g_m) for an odd elementwise
+f (`elementwise_sum`, None where only materializing gives it), and `masked(keep)`, the factor
 with the rows of microbatches not kept set to zero (`Outer` and `Gather` fold the mask into the
 weights of `weighted_sum`, so DP-SGD pays no extra pass over their rows). Factors know nothing of
 clipping or noise.
@@ -32,7 +33,7 @@ squared_norms` takes the float64 sum for those rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 import tensorflow as tf
 
@@ -150,6 +151,78 @@ def _matmul_rows(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   """Σ over all rows (m, t) of a[m,t]ᵀ d[m,t], (M, T, K) and (M, T, O) -> (K, O): one product."""
   return tf.matmul(tf.reshape(a, [-1, a.shape[-1]]), tf.reshape(d, [-1, d.shape[-1]]),
                    transpose_a=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class OddFunction:
+  """f(x) = gain·h(x/scale), h odd and elementwise (so f(0) = 0), with h's power series about 0:
+  its first n + 1 terms, Σ_(i≤n) coefficients[i]·y^(2i+1), give h(y) to within float32's rounding
+  wherever |y| ≤ radii[n] (radii ascending; the caller bounds the series' remainder)."""
+
+  h: Callable[[tf.Tensor], tf.Tensor]
+  coefficients: tuple[float, ...]
+  radii: tuple[float, ...]
+  scale: Union[float, tf.Tensor] = 1.0
+  gain: float = 1.0
+
+  def __call__(self, x: tf.Tensor) -> tf.Tensor:
+    return self.gain * self.h(x / tf.cast(self.scale, x.dtype))
+
+  def of_scaled(self, factor: tf.Tensor) -> "OddFunction":
+    """x ↦ f(factor·x), for gradients known up to a scale (a loss scale's inverse)."""
+    return dataclasses.replace(self, scale=self.scale / factor)
+
+
+def _series_sum(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int) -> tf.Tensor:
+  """Σ_m f(a_m d_mᵀ), (K, O), for rows a: (M, K) and d: (M, O) of rank-one g_m.
+
+  The largest |entry| of g_m is exactly u_m·scale, u_m = max|a_m|·max|d_m|/scale. Where
+  u_m ≤ radii[-1], rescaling the rows to â_m, d̂_m of largest entry √u_m (â_m d̂_mᵀ = g_m/scale, no
+  power can overflow) gives Σ_m f(g_m) = Σ_n c_n Σ_m (â_m^(2n+1))ᵀ d̂_m^(2n+1), entrywise powers
+  of a rank-one product: one (K, N·M)·(N·M, O) product of the N terms the largest u_m needs. The
+  other rows are materialized and filtered, `chunk_size` at a time (a step pays for the rows it
+  has).
+  """
+  a64, d64 = tf.cast(a, tf.float64), tf.cast(d, tf.float64)
+  max_a, max_d = tf.reduce_max(tf.abs(a64), 1), tf.reduce_max(tf.abs(d64), 1)
+  u = max_a * max_d / tf.cast(f.scale, tf.float64)  # No overflow: at most (3.4e38)² in float64.
+  inside = u <= f.radii[-1]
+  u = tf.where(inside, u, tf.zeros_like(u))  # Rows outside: zero in the series.
+  a_hat = tf.cast(a64 * tf.math.divide_no_nan(tf.sqrt(u), max_a)[:, None], a.dtype)
+  d_hat = tf.cast(d64 * tf.math.divide_no_nan(tf.sqrt(u), max_d)[:, None], d.dtype)
+
+  def terms(n: int) -> Callable[[], tf.Tensor]:
+    def product():
+      a_sq, d_sq = tf.square(a_hat), tf.square(d_hat)
+      powers_a, powers_d = [a_hat], [d_hat]
+      for _ in range(n):
+        powers_a.append(powers_a[-1] * a_sq)
+        powers_d.append(powers_d[-1] * d_sq)
+      return tf.matmul(tf.concat([f.gain * c * p for c, p in zip(f.coefficients, powers_a)], 0),
+                       tf.concat(powers_d, 0), transpose_a=True)
+    return product
+
+  needed = tf.reduce_sum(tf.cast(tf.reduce_max(u) > tf.constant(f.radii[:-1], tf.float64),
+                                 tf.int32))
+  series = tf.switch_case(needed, [terms(n) for n in range(len(f.radii))])
+  outside = tf.cast(tf.reshape(tf.where(tf.logical_not(inside)), [-1]), tf.int32)
+  count = tf.size(outside)
+
+  d_scaled = d / tf.cast(f.scale, d.dtype)
+  # g_m / scale laid out with the longer axis innermost (elementwise ops run 2-3× faster on
+  # (M, 10, 1000) than on (M, 1000, 10) here), transposed back once summed.
+  wide = a.shape[1] >= d.shape[1]
+  inner, outer = (a, d_scaled) if wide else (d_scaled, a)
+
+  def chunk(start, total):
+    rows = outside[start:tf.minimum(start + chunk_size, count)]
+    y = tf.gather(outer, rows)[:, :, None] * tf.gather(inner, rows)[:, None, :]
+    return start + chunk_size, total + tf.reduce_sum(f.h(y), 0)
+
+  _, exact = tf.while_loop(lambda start, _: start < count, chunk,
+                           (tf.constant(0), tf.zeros([tf.shape(outer)[1], tf.shape(inner)[1]],
+                                                     series.dtype)))
+  return series + f.gain * (tf.transpose(exact) if wide else exact)
 
 
 @dataclasses.dataclass
@@ -290,6 +363,12 @@ class Outer:
     g = _rows(blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1), keep)
     return tf.reshape(g, (-1, *self.shape))
 
+  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+    if self.a.shape[1] != 1 or self.a.dtype != tf.float32 or self.blocks is not None:
+      return None  # Only a product of one row per microbatch is rank one.
+    sums = _series_sum(self._rows_a()[:, 0], self._rows_d()[:, 0], f, chunk_size)
+    return tf.reshape(sums, self.shape)
+
 
 @dataclasses.dataclass
 class RowSum:
@@ -319,6 +398,10 @@ class RowSum:
   def materialize(self, start, stop) -> tf.Tensor:
     return tf.reshape(self.g[start:stop], (-1, *self.shape))
 
+  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> tf.Tensor:
+    del chunk_size  # As small as the variable per microbatch.
+    return tf.reshape(tf.reduce_sum(f(self.g), 0), self.shape)
+
 
 def row_sum(d: tf.Tensor, shape: tuple[int, ...]) -> RowSum:
   """The `RowSum` of rows D: (M, T, O)."""
@@ -330,6 +413,15 @@ def row_sum(d: tf.Tensor, shape: tuple[int, ...]) -> RowSum:
 _GRAM_PAIRS_PER_CHUNK = 1 << 18
 
 
+def _summed_per_id(ids: tf.Tensor, d: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """(keys, rows): for each distinct (id v, example m) of ids (M, T), the sum of m's rows of
+  d (M, T, O) with id v, keyed v·M + m."""
+  m = tf.cast(tf.shape(ids)[0], tf.int64)
+  examples = tf.broadcast_to(tf.range(m)[:, None], tf.shape(ids, out_type=tf.int64))
+  keys, slot = tf.unique(tf.reshape(tf.cast(ids, tf.int64) * m + examples, [-1]))
+  return keys, tf.math.unsorted_segment_sum(tf.reshape(d, [-1, d.shape[-1]]), slot, tf.size(keys))
+
+
 def _gram_by_shared_ids(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   """(M, M) Σ_{t,s: ids[m,t] = ids[n,s]} ⟨d[m,t], d[n,s]⟩ from the pairs that share an id only.
 
@@ -339,11 +431,7 @@ def _gram_by_shared_ids(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   time.
   """
   m = tf.shape(ids)[0]
-  width = d.shape[-1]
-  examples = tf.broadcast_to(tf.range(m, dtype=tf.int64)[:, None], tf.shape(ids))
-  keys = tf.reshape(tf.cast(ids, tf.int64) * tf.cast(m, tf.int64) + examples, [-1])
-  keys, slot = tf.unique(keys)
-  rows = tf.math.unsorted_segment_sum(tf.reshape(d, [-1, width]), slot, tf.size(keys))
+  keys, rows = _summed_per_id(ids, d)
   order = tf.argsort(keys)
   keys, rows = tf.gather(keys, order), tf.gather(rows, order)
   table_row, example = keys // tf.cast(m, tf.int64), tf.cast(keys % tf.cast(m, tf.int64), tf.int32)
@@ -424,6 +512,15 @@ class Gather:
         tf.reshape(d, [-1, self._width]), tf.reshape(offsets, [-1]), count * vocab)
     return tf.reshape(rows, (count, *self.shape))
 
+  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> tf.Tensor:
+    """f(0) = 0 on the rows g_m does not touch: Σ_m f(g_m) = Σ over (m, v) of f(G_mv), scattered
+    to table row v, G_mv the sum of m's rows with id v (M·T rows at most, never M·V)."""
+    del chunk_size
+    keys, rows = _summed_per_id(self.ids, self._rows_d())
+    table_row = keys // tf.cast(tf.shape(self.ids)[0], tf.int64)
+    return tf.reshape(tf.math.unsorted_segment_sum(f(rows), table_row, self.shape[0]),
+                      self.shape)
+
 
 @dataclasses.dataclass
 class Columns:
@@ -460,6 +557,10 @@ class Columns:
   def materialize(self, start, stop) -> tf.Tensor:
     return tf.reshape(self._join([p.materialize(start, stop) for p in self.parts]),
                       (-1, *self.shape))
+
+  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+    sums = [p.elementwise_sum(f, chunk_size) for p in self.parts]
+    return None if any(s is None for s in sums) else tf.reshape(self._join(sums), self.shape)
 
 
 @dataclasses.dataclass
@@ -515,6 +616,9 @@ class GroupedOuter:
   def materialize(self, start, stop) -> tf.Tensor:
     return tf.reshape(self._full(start, stop), (-1, *self.shape))
 
+  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> None:
+    del f, chunk_size  # Materialized, `reduce_chunks`-wise.
+
 
 @dataclasses.dataclass
 class Dense:
@@ -542,6 +646,9 @@ class Dense:
 
   def materialize(self, start, stop) -> tf.Tensor:
     return self.g[start:stop]
+
+  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> None:
+    del f, chunk_size  # Filtered a chunk of rows at a time (`reduce_chunks`): no second copy.
 
 
 Factor = Outer | RowSum | Gather | Columns | GroupedOuter | Dense

@@ -123,3 +123,22 @@ class PerExampleGradients:
 
     _, total = tf.while_loop(lambda start, _: start < m, body, (tf.constant(0), init))
     return total
+
+  def elementwise_sum(self, f: F.OddFunction, chunk_size: Optional[int] = None
+                      ) -> list[tf.Tensor]:
+    """Σ_m f(g_m) per variable, f odd and elementwise: from the factors where their form gives it
+    (an `Outer` of one row per microbatch through f's power series, a `Gather` from the rows
+    each example touches), the others materialized `chunk_size` g_m at a time (`reduce_chunks`).
+    Under XLA (no dynamic shapes), all materialized."""
+    sums = [None if in_xla() else
+            factor.elementwise_sum(f, chunk_size or default_chunk_size([variable]))
+            for factor, variable in zip(self.factors, self.variables)]
+    rest = [k for k, s in enumerate(sums) if s is None]
+    if rest:
+      others = PerExampleGradients([self.variables[k] for k in rest],
+                                   [self.factors[k] for k in rest], self.num_microbatches)
+      filtered = others.reduce_chunks(lambda chunk: [tf.reduce_sum(f(g), 0) for g in chunk],
+                                      chunk_size)
+      for k, s in zip(rest, filtered):
+        sums[k] = s
+    return sums

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
 from tfdp_variants.per_example import PerExampleGradients
+from tfdp_variants.per_example.factors import OddFunction
 
 
 class UnscaledGradients:
@@ -51,4 +52,8 @@ class UnscaledGradients:
   def reduce_chunks(self, fn: Callable[[list[tf.Tensor]], list[tf.Tensor]],
                     chunk_size: int = 32) -> list[tf.Tensor]:
     return self._grads.reduce_chunks(lambda rows: fn([self._scale(t) for t in rows]), chunk_size)
+
+  def elementwise_sum(self, f: OddFunction, chunk_size: Optional[int] = None
+                      ) -> list[tf.Tensor]:
+    return self._grads.elementwise_sum(f.of_scaled(self._inverse), chunk_size)
 
