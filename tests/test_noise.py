@@ -50,6 +50,21 @@ def test_box_muller_of_extreme_words_is_finite_and_reaches_beyond_tf(jit_compile
   assert np.max(np.abs(got.numpy())) == pytest.approx(3.0 * np.sqrt(82 * np.log(2)), rel=1e-5)
 
 
+def test_xla_angles_match_float64_in_every_quadrant():
+  """Under XLA, cos θ and sin θ come from polynomials after an integer quadrant split: against
+  float64 NumPy for random 24-bit turns and those at the edges of each quadrant."""
+  edges = [0, 1, 2**21 - 1, 2**21, 2**22 - 1, 2**22, 3 * 2**21, 2**23, 5 * 2**21, 3 * 2**22,
+           7 * 2**21 - 1, 7 * 2**21, 2**24 - 1]
+  turns = np.concatenate([edges, np.random.default_rng(0).integers(0, 2**24, 100_000)])
+  w1 = (turns.astype(np.uint32) << 8) | np.uint32(255)
+  w0 = np.full_like(w1, 2**31)
+  r = np.sqrt(-2 * np.log((2.0**31 + 255.5 / 256) * 2.0**-32))
+  theta = turns * 2 * np.pi * 2.0**-24
+  got = tf.function(noise._box_muller, jit_compile=True)(w0, w1).numpy()
+  np.testing.assert_allclose(got, r * np.concatenate([np.cos(theta), np.sin(theta)]), rtol=0,
+                             atol=3e-7)
+
+
 def test_xla_draws_are_standard_normal():
   """Under XLA (stateless bits keyed by the generator's next seed): moments, a Kolmogorov–Smirnov
   test and the tails against N(0, 1) (2·10⁶ draws, bounds of about 5 standard errors), and each
