@@ -50,6 +50,19 @@ def test_box_muller_of_extreme_words_is_finite_and_reaches_beyond_tf(jit_compile
   assert np.max(np.abs(got.numpy())) == pytest.approx(3.0 * np.sqrt(82 * np.log(2)), rel=1e-5)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_draws_laid_out_by_rows_are_the_flat_draws(jit_compile):
+  """A static even leading dimension takes its pairs as the tensor's first half of rows: the
+  same draws, in the same places, as the flat layout of the same words."""
+  def draw(shape):
+    source = noise.NoiseSource(seed=7)
+    return tf.function(lambda: source.normal(shape), jit_compile=jit_compile)().numpy()
+
+  np.testing.assert_array_equal(draw([6, 4]).ravel(), draw([24]))
+  np.testing.assert_array_equal(draw([2, 3, 5]).ravel(), draw([30]))
+  assert draw([5, 4]).shape == (5, 4) and np.all(np.isfinite(draw([5, 4])))
+
+
 def test_xla_angles_match_float64_in_every_quadrant():
   """Under XLA, cos θ and sin θ come from polynomials after an integer quadrant split: against
   float64 NumPy for random 24-bit turns and those at the edges of each quadrant."""
