@@ -86,6 +86,25 @@ def test_non_finite_example_contributes_zero(jit_compile, value):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, 1e30])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_tanh_filter_takes_each_example_filtered_or_not_at_all(jit_compile, value):
+  """The tanh filter's sums from the factors (the Dense kernel's series inside its radius, the
+  exact filter beyond it) add c·tanh(g/k) of a canary of any finite size (an input of 1e30: c)
+  and nothing of a non-finite one, with XLA (everything materialized) or without."""
+  c, k = 2.0, 8.0
+  make = lambda: tfdp_variants.TanhFilterSGD(C, 0.0, output_range=c, active_range=k,
+                                             learning_rate=LR, expected_batch_size=B)
+  x = _canary_batch(value)
+  delta = _fit_delta(x, 1.0, jit_compile, make())
+  without = _fit_delta(x[1:], 1.0, False, make())  # The others' |g/k| = 1/8: the series.
+  canary = ([np.array([[c], [0.0], [0.0], [0.0]]), np.array([c * np.tanh(1 / k)])]
+            if np.isfinite(value) else [np.zeros((D, 1)), np.zeros(1)])
+  for got, want, f in zip(delta, without, canary):
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want - LR * f / B, rtol=1e-5, atol=1e-7)
+
+
 def test_factors_norms_are_float64_and_never_nan():
   a = tf.constant([[[1e30, 0.0]], [[np.inf, 0.0]], [[1.0, 2.0]]])  # (M, T=1, K)
   d = tf.constant([[[1e-19]], [[0.0]], [[3.0]]])
