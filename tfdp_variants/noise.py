@@ -96,7 +96,7 @@ class NoiseSource:
     fill the first half of the rows), so no reshape follows them: XLA ran (8000, 64) draws 2.7×
     faster so."""
     dims = _static_dims(shape)
-    size = _static_size(shape)  # Static: no slice of the draws when it is even.
+    size = None if dims is None else int(np.prod(dims))  # Static: no slice when it is even.
     if size is None:
       size = tf.reduce_prod(tf.cast(shape, tf.int64))
     if dims and dims[0] % 2 == 0:
@@ -182,14 +182,6 @@ def _static_dims(shape) -> Optional[list[int]]:
     return shape.as_list() if shape.is_fully_defined() else None
   value = tf.get_static_value(shape)
   return None if value is None else [int(d) for d in np.reshape(value, [-1])]
-
-
-def _static_size(shape) -> Optional[int]:
-  """The number of elements of a shape known at trace time, else None."""
-  if isinstance(shape, tf.TensorShape):
-    return shape.num_elements()
-  value = tf.get_static_value(shape)
-  return None if value is None else int(np.prod(value))
 
 
 def _scales(scale, count: int) -> list:

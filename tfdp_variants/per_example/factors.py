@@ -153,6 +153,17 @@ def _matmul_rows(a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
                    transpose_a=True)
 
 
+def chunked_sum(count: tf.Tensor, chunk_size: int, fn: Callable, init):
+  """Σ over the chunks [start, min(start + chunk_size, count)) of `fn(start, stop)`, in a
+  `tf.while_loop` from `init` (a tensor or a list of them): one chunk's work alive at a time."""
+  def body(start, total):
+    part = fn(start, tf.minimum(start + chunk_size, count))
+    return start + chunk_size, tf.nest.map_structure(tf.add, total, part)
+
+  _, total = tf.while_loop(lambda start, _: start < count, body, (tf.constant(0), init))
+  return total
+
+
 @dataclasses.dataclass(frozen=True)
 class OddFunction:
   """f(x) = gain·h(x/scale), h odd and elementwise (so f(0) = 0), with h's power series about 0:
@@ -206,7 +217,6 @@ def _series_sum(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int) -> 
                                  tf.int32))
   series = tf.switch_case(needed, [terms(n) for n in range(len(f.radii))])
   outside = tf.cast(tf.reshape(tf.where(tf.logical_not(inside)), [-1]), tf.int32)
-  count = tf.size(outside)
 
   d_scaled = d / tf.cast(f.scale, d.dtype)
   # g_m / scale laid out with the longer axis innermost (elementwise ops run 2-3× faster on
@@ -214,14 +224,13 @@ def _series_sum(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int) -> 
   wide = a.shape[1] >= d.shape[1]
   inner, outer = (a, d_scaled) if wide else (d_scaled, a)
 
-  def chunk(start, total):
-    rows = outside[start:tf.minimum(start + chunk_size, count)]
+  def chunk(start, stop):
+    rows = outside[start:stop]
     y = tf.gather(outer, rows)[:, :, None] * tf.gather(inner, rows)[:, None, :]
-    return start + chunk_size, total + tf.reduce_sum(f.h(y), 0)
+    return tf.reduce_sum(f.h(y), 0)
 
-  _, exact = tf.while_loop(lambda start, _: start < count, chunk,
-                           (tf.constant(0), tf.zeros([tf.shape(outer)[1], tf.shape(inner)[1]],
-                                                     series.dtype)))
+  exact = chunked_sum(tf.size(outside), chunk_size, chunk,
+                      tf.zeros([tf.shape(outer)[1], tf.shape(inner)[1]], series.dtype))
   return series + f.gain * (tf.transpose(exact) if wide else exact)
 
 
@@ -443,16 +452,16 @@ def _gram_by_shared_ids(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   pairs = tf.reduce_sum(length)
   ends = tf.cumsum(length)  # Pairs of rows 0..k end at ends[k].
 
-  def chunk(begin, total):
-    index = tf.range(begin, tf.minimum(begin + _GRAM_PAIRS_PER_CHUNK, pairs))
+  def chunk(begin, stop):
+    index = tf.range(begin, stop)
     k = tf.searchsorted(ends, index, side="right")  # The row each pair index belongs to.
     partner = tf.gather(start, k) + index - (tf.gather(ends, k) - tf.gather(length, k))
     dots = tf.reduce_sum(tf.gather(rows, k) * tf.gather(rows, partner), axis=1)
     cell = tf.gather(example, k) * m + tf.gather(example, partner)
-    return begin + _GRAM_PAIRS_PER_CHUNK, total + tf.math.unsorted_segment_sum(dots, cell, m * m)
+    return tf.math.unsorted_segment_sum(dots, cell, m * m)
 
-  _, total = tf.while_loop(lambda begin, _: begin < pairs, chunk,
-                           (tf.constant(0), tf.zeros(tf.reshape(m * m, [1]), d.dtype)))
+  total = chunked_sum(pairs, _GRAM_PAIRS_PER_CHUNK, chunk,
+                      tf.zeros(tf.reshape(m * m, [1]), d.dtype))
   return tf.reshape(total, [m, m])
 
 

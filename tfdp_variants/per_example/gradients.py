@@ -113,16 +113,10 @@ class PerExampleGradients:
     algorithm needs the gradients elementwise (noise before clipping, a tanh filter). By default
     a chunk holds about `CHUNK_ENTRIES` entries (at least one g_m).
     """
-    chunk_size = chunk_size or default_chunk_size(self.variables)
-    m = tf.cast(self.num_microbatches, tf.int32)
-    init = [tf.zeros(v.shape, v.dtype) for v in self.variables]
-
-    def body(start, acc):
-      part = fn(self.materialize(start, tf.minimum(start + chunk_size, m)))
-      return start + chunk_size, [a + p for a, p in zip(acc, part)]
-
-    _, total = tf.while_loop(lambda start, _: start < m, body, (tf.constant(0), init))
-    return total
+    return F.chunked_sum(tf.cast(self.num_microbatches, tf.int32),
+                         chunk_size or default_chunk_size(self.variables),
+                         lambda start, stop: list(fn(self.materialize(start, stop))),
+                         [tf.zeros(v.shape, v.dtype) for v in self.variables])
 
   def elementwise_sum(self, f: F.OddFunction, chunk_size: Optional[int] = None
                       ) -> list[tf.Tensor]:
