@@ -87,7 +87,7 @@ def test_fit_step_equals_numpy(use_bias, num_microbatches):
     np.testing.assert_allclose(got, before - c.sum(0) / m, rtol=1e-4, atol=1e-6)
 
 
-def _noise_draws(algorithm, per_example, draws=5):
+def _noise_draws(algorithm, per_example, draws=8):
   """The algorithm's output on the first (all-zero) variable: pure noise."""
   grads = _grads(per_example)
   run = tf.function(lambda: algorithm(grads)[0])
@@ -95,9 +95,11 @@ def _noise_draws(algorithm, per_example, draws=5):
 
 
 def _check_std(draws, expected):
+  """Mean and std of unseeded noise (16,000 values) within 5 standard errors: std/√n and,
+  relative, 1/√(2n) (2.8%)."""
   n = draws.size
-  assert abs(draws.mean()) < 4 * expected / np.sqrt(n)
-  assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * n)
+  assert abs(draws.mean()) < 5 * expected / np.sqrt(n)
+  assert abs(draws.std() / expected - 1) < 5 / np.sqrt(2 * n)
 
 
 def test_noise_std_uses_per_example_sensitivities():

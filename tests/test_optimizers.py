@@ -45,6 +45,8 @@ def test_clipping_is_active_in_comparison():
 
 
 def test_noise_std_is_sigma_c_over_m():
+  """16,000 values of unseeded noise: the mean and std within 5 standard errors (std/√n;
+  relative, 1/√(2n): 2.8%)."""
   sigma, clip, m = 1.7, 0.6, 4
   opt = tfdp_variants.DPSGD(clip, sigma, num_microbatches=m, learning_rate=1.0)
   var = tf.Variable(tf.zeros([40, 50]))
@@ -56,11 +58,11 @@ def test_noise_std_is_sigma_c_over_m():
       loss = tf.reduce_sum(tf.matmul(x, var), axis=1) * 0.0  # Zero gradients: only noise.
     return opt.compute_gradients(loss, [var], tape)[0][0]
 
-  draws = np.concatenate([noise().numpy().ravel() for _ in range(5)])
+  draws = np.concatenate([noise().numpy().ravel() for _ in range(8)])
   expected = sigma * clip / m
   n = draws.size
-  assert abs(draws.mean()) < 4 * expected / np.sqrt(n)
-  assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * n)
+  assert abs(draws.mean()) < 5 * expected / np.sqrt(n)
+  assert abs(draws.std() / expected - 1) < 5 / np.sqrt(2 * n)
 
 
 def test_noise_is_added_to_clipped_sum():

@@ -121,6 +121,7 @@ def test_microbatch_sensitivity_equals_dp_accounting(num_microbatches, batch_siz
 
 
 def test_noise_std_is_sigma_c_over_m():
+  """21,000 values of unseeded noise: the std within 5 standard errors (relative, 1/√(2n): 2.4%)."""
   sigma, clip, m = 2.0, 4.0, 3
   opt = _pi(tf.keras.optimizers.Adam)(clip, sigma, num_microbatches=m)
   var = tf.Variable(tf.zeros([60, 50]))
@@ -131,8 +132,8 @@ def test_noise_std_is_sigma_c_over_m():
       loss = tf.reduce_sum(tf.matmul(tf.ones([6, 60]), var), axis=1) * 0.0
     return opt.compute_gradients(loss, [var], tape)[0][0]
 
-  draws = np.concatenate([noise().numpy().ravel() for _ in range(4)])
-  assert abs(draws.std() / (sigma * clip / m) - 1) < 4 / np.sqrt(2 * draws.size)
+  draws = np.concatenate([noise().numpy().ravel() for _ in range(7)])
+  assert abs(draws.std() / (sigma * clip / m) - 1) < 5 / np.sqrt(2 * draws.size)
 
 
 def test_fit_and_config_round_trip():

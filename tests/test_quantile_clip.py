@@ -140,6 +140,8 @@ def test_geometric_two_noiseless_steps_equal_numpy(per_layer, expected_num_recor
 
 
 def test_geometric_gradient_noise_std_is_sigma_times_each_clip():
+  """Unseeded noise, 6 draws (12,000 and 9,000 values a clip): the mean and std within 5 standard
+  errors (std/√n; relative, 1/√(2n))."""
   sigma, clips = 1.5, np.array([0.5, 2.0], "float32")
   opt = QuantileClipSGD(1.0, sigma, per_layer=True, method="geometric", clip_learning_rate=0.0,
                         clipped_count_stddev=1.0, learning_rate=1.0)
@@ -154,17 +156,20 @@ def test_geometric_gradient_noise_std_is_sigma_times_each_clip():
 
   step()
   opt.algorithm.clip.assign(clips)
-  draws = [step() for _ in range(3)]
+  draws = [step() for _ in range(6)]
   for k, clip in enumerate(clips):
     noise = np.concatenate([d[k].numpy().ravel() for d in draws])
     expected = sigma * clip / B
-    assert abs(noise.mean()) < 4 * expected / np.sqrt(noise.size)
-    assert abs(noise.std() / expected - 1) < 4 / np.sqrt(2 * noise.size)
+    assert abs(noise.mean()) < 5 * expected / np.sqrt(noise.size)
+    assert abs(noise.std() / expected - 1) < 5 / np.sqrt(2 * noise.size)
 
 
 def test_geometric_count_noise_std():
-  """Half the norms lie below the clip, so log(C_{t+1}/C_t) = −η·N(0, s²)/E (s/E = 1/20)."""
-  stddev, num_records, lr = 0.4, 8, 1.0
+  """Half the norms lie below the clip, so log(C_{t+1}/C_t) = −η·N(0, s²)/E (s/E = 1/20).
+
+  2000 steps of unseeded noise in one traced loop: the mean and std within 5 standard errors
+  (std/√n; relative, 1/√(2n): 7.9%)."""
+  stddev, num_records, lr, steps = 0.4, 8, 1.0, 2000
   opt = QuantileClipSGD(2.0, 0.0, method="geometric", clip_learning_rate=lr,
                         clipped_count_stddev=stddev, learning_rate=1.0)
   var = tf.Variable(tf.zeros([2]))
@@ -172,17 +177,20 @@ def test_geometric_count_noise_std():
   opt.build([var])
 
   @tf.function
-  def step():
-    opt.algorithm.clip.assign(2.0)
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(x * var, 1)
-    opt.compute_gradients(loss, [var], tape)
-    return tf.math.log(opt.algorithm.clip / 2.0) / -lr
+  def run():
+    draws = tf.TensorArray(tf.float32, size=steps)
+    for i in tf.range(steps):
+      opt.algorithm.clip.assign(2.0)
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(x * var, 1)
+      opt.compute_gradients(loss, [var], tape)
+      draws = draws.write(i, tf.math.log(opt.algorithm.clip / 2.0) / -lr)
+    return draws.stack()
 
-  draws = np.array([step().numpy() for _ in range(400)])
+  draws = run().numpy()
   expected = stddev / num_records
-  assert abs(draws.mean()) < 4 * expected / np.sqrt(draws.size)
-  assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * draws.size)
+  assert abs(draws.mean()) < 5 * expected / np.sqrt(draws.size)
+  assert abs(draws.std() / expected - 1) < 5 / np.sqrt(2 * draws.size)
 
 
 # Guarantees and accounting.

@@ -119,7 +119,10 @@ def test_certified_mode_clips_filtered_gradients(fixed_noise):
 
 @pytest.mark.parametrize("certified", [False, True])
 def test_noise_std(certified):
-  """Zero gradients: the noise std is σ/M as published, σC/M in certified mode."""
+  """Zero gradients: the noise std is σ/M as published, σC/M in certified mode (C = 3).
+
+  14,000 values of unseeded noise: the mean and std within 5 standard errors (std/√n; relative,
+  1/√(2n): 3%)."""
   sigma, clip, m = 1.3, 3.0, 4
   opt = _cls()(clip, sigma, certified=certified, num_microbatches=m)
   var = tf.Variable(tf.zeros([40, 50]))
@@ -130,10 +133,10 @@ def test_noise_std(certified):
       loss = tf.reduce_sum(tf.matmul(tf.ones([B, 40]), var), axis=1) * 0.0
     return opt.compute_gradients(loss, [var], tape)[0][0]
 
-  draws = np.concatenate([noise().numpy().ravel() for _ in range(4)])
+  draws = np.concatenate([noise().numpy().ravel() for _ in range(7)])
   expected = sigma * (clip if certified else 1.0) / m
-  assert abs(draws.mean()) < 4 * expected / np.sqrt(draws.size)
-  assert abs(draws.std() / expected - 1) < 4 / np.sqrt(2 * draws.size)
+  assert abs(draws.mean()) < 5 * expected / np.sqrt(draws.size)
+  assert abs(draws.std() / expected - 1) < 5 / np.sqrt(2 * draws.size)
 
 
 def test_labels_and_class_names():
