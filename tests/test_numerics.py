@@ -256,3 +256,30 @@ def test_bounded_labels_in_a_custom_loop():
   np.testing.assert_array_equal(grad.numpy()[1:], 0.0)
   with pytest.raises(tf.errors.InvalidArgumentError):  # Outside, TF's own kernel is unchanged.
     loss_fn(tf.constant([5]), logits[:1])
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("case, rank", [("independent", 6), ("nearly_dependent", 5),
+                                        ("repeated", 5), ("zero", 0)])
+def test_span_basis_is_an_orthonormal_basis_of_the_gradients_on_either_branch(case, rank,
+                                                                              jit_compile):
+  """NoisyGradient AC's basis Q = G T of the gradients' span: from a Cholesky factor (C lower
+  triangular) only when the Gram matrix is certified well conditioned, else from its eigenvectors,
+  dropping directions below 1e-5 of the largest. A singular Gram matrix's Cholesky factor is NaN
+  in TF, never an error (an error would depend on the data), on every stack."""
+  import tfdp_variants.algorithms.noisy_gradient as ng  # pylint: disable=import-outside-toplevel
+  grads = np.random.default_rng(0).normal(size=(6, 40))
+  if case == "nearly_dependent":
+    grads[5] = grads[4] + 1e-5 * grads[5]  # λ_min ≈ 1e-10 λ_max.
+  grads[5] = grads[4] if case == "repeated" else grads[5]
+  grads *= case != "zero"
+  gram = grads @ grads.T
+  coords, basis, kept = (t.numpy() for t in tf.function(ng.span_basis, jit_compile=jit_compile)(
+      tf.constant(gram)))
+  q = grads.T @ basis
+  assert kept.sum() == rank
+  np.testing.assert_allclose(q.T @ q, np.diag(kept), atol=1e-8)
+  np.testing.assert_allclose(coords, grads @ q, atol=1e-8)
+  np.testing.assert_allclose(coords @ coords.T, gram, atol=1e-8 * max(1.0, gram.max()))
+  if case != "zero":  # C is lower triangular on the Cholesky branch only.
+    assert np.allclose(np.triu(coords, 1), 0) == (case == "independent")

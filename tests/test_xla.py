@@ -60,6 +60,18 @@ def test_jit_compiled_fit_is_exact(self_check):
   optimizer.raise_if_self_check_failed()  # Passed: no error.
 
 
+def test_jit_compiled_noisy_gradient_ac_is_exact():
+  """NoisyGradient AC's projected sampler compiles (its shapes are static, whatever the Gram
+  matrix's rank); at σ = 0 its step is the clipped mean, DP-SGD's noiseless step."""
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=tfdp_variants.NoisyGradientSGD(C, 0.0, learning_rate=LR), loss=_loss(),
+                jit_compile=True)
+  model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  for got, want in zip(model.trainable_variables, _reference_step(x, y)):
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
 def test_mixing_refused_under_xla_before_any_step():
   """Mixing is refused at trace time, where XLA (which cannot raise in a step) is not involved;
   a failed self-check under XLA is in test_engine_fail_closed.py."""
