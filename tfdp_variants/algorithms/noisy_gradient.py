@@ -78,9 +78,9 @@ def span_basis(gram: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
   size = tf.shape(gram)[0]
   eye = tf.eye(size, dtype=gram.dtype)
   top = tf.minimum(tf.norm(gram), tf.reduce_max(tf.reduce_sum(tf.abs(gram), 1)))  # ≥ λ_max.
+  shifted = tf.linalg.cholesky(gram - _RANK_TOL * top * eye)
   # A failed factorization is NaN (TF does not raise): comparisons with NaN are False.
-  certified = tf.reduce_all(tf.linalg.diag_part(tf.linalg.cholesky(gram - _RANK_TOL * top * eye))
-                            > 0)
+  certified = tf.reduce_all(tf.linalg.diag_part(shifted) > 0)
 
   def by_cholesky():
     factor = tf.linalg.cholesky(gram)
