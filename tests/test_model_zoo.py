@@ -14,7 +14,6 @@ import tensorflow as tf
 
 import engine_helpers
 import tfdp_variants
-from conftest import per_stack
 from tfdp_variants import per_example
 
 L = tf.keras.layers
@@ -286,13 +285,12 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                                                    padding="same"),
                                       L.Flatten(), L.Dense(2)),
                          _floats(B, 4, 4, 2), DENSE * 2),
-    # Keras 2 dilates a transposed conv through a SpaceToBatchND of padding computed at run time:
-    # no static sizes, so the fallback.
+    # Keras 2 dilates a transposed conv through a SpaceToBatchND of padding computed at run time
+    # (no static sizes; the op's channels unknown too): blocks of examples.
     "conv2d_transpose_dilated": (lambda: _seq((4, 4, 2), L.Conv2DTranspose(3, 2,
                                                                            dilation_rate=2),
                                               L.Flatten(), L.Dense(2)),
-                                 _floats(B, 4, 4, 2),
-                                 per_stack(keras3=DENSE * 2, keras2=["fallback"] * 4)),
+                                 _floats(B, 4, 4, 2), DENSE * 2),
     "conv3d_transpose": (lambda: _seq((3, 3, 2, 2), L.Conv3DTranspose(3, 2, strides=2),
                                       L.Flatten(), L.Dense(2)),
                          _floats(B, 3, 3, 2, 2), DENSE * 2),
@@ -468,15 +466,46 @@ def test_fit_step_is_mean_of_clipped_single_example_gradients(name):
     _assert_rules(list(optimizer.per_example_rules), rules)
 
 
-def test_convolutions_of_unknown_sizes_take_the_fallback():
-  """Without static spatial sizes a conv rule cannot check its padding: the exact fallback."""
+class _DilatedConv(L.Layer):
+  """A Conv2D op dilated by its own `dilations` attribute (Keras' layers dilate through
+  SpaceToBatchND on CPU), strided along the other axis."""
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(name="kernel", shape=(3, 2, input_shape[-1], 2),
+                                  initializer="glorot_uniform")
+
+  def call(self, x):
+    return tf.nn.conv2d(x, self.kernel, [1, 1, 2, 1], "SAME", dilations=[1, 2, 1, 1])
+
+
+UNKNOWN_SIZES = {  # Models on data of unknown spatial sizes: input shape, layers, rules.
+    "2d": ((None, None, 2), lambda: [
+        L.DepthwiseConv2D(3, strides=2, padding="same"),
+        L.Conv2DTranspose(2, 3, strides=2, output_padding=1), L.Conv2D(2, 3, dilation_rate=2),
+        _DilatedConv(), L.Conv2DTranspose(2, 3, dilation_rate=2, padding="same"),
+        L.GlobalAveragePooling2D(), L.Dense(2)], (9, 8, 2),
+        ["grouped", "rowsum", "outer", "rowsum", "outer", "rowsum", "outer", *DENSE * 2]),
+    "3d": ((None, None, None, 2), lambda: [
+        L.Conv3D(2, 2, strides=(1, 2, 1), padding="same"), L.Conv3DTranspose(2, 2, strides=2),
+        L.GlobalAveragePooling3D(), L.Dense(2)], (4, 3, 3, 2), DENSE * 3),
+    "1d": ((None, 2), lambda: [
+        L.Conv1D(2, 3, padding="causal", dilation_rate=2), L.SeparableConv1D(2, 3),
+        L.Conv1DTranspose(2, 3, strides=2), L.GlobalAveragePooling1D(), L.Dense(2)], (9, 2),
+        ["outer", "rowsum", "grouped", "outer", "rowsum", *DENSE * 2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNKNOWN_SIZES))
+def test_convolutions_of_unknown_sizes_take_their_rules(name):
+  """Without static spatial sizes the conv rules read the patches from TF's own windowing
+  (`extract_patches`, `extract_volume_patches`), as the op itself did: exact, and no fallback."""
+  shape, layers, data, want = UNKNOWN_SIZES[name]
   tf.keras.utils.set_random_seed(0)
-  model = _seq((None, None, 2), L.DepthwiseConv2D(3), L.Conv2DTranspose(2, 3, strides=2),
-               L.GlobalAveragePooling2D(), L.Dense(2))
-  x, y = _floats(B, 6, 6, 2), _floats(B, 2)
+  model = _seq(shape, *layers())
+  x, y = _floats(B, *data), _floats(B, 2)
   seen = {}
 
-  @tf.function(input_signature=[tf.TensorSpec([None, None, None, 2]), tf.TensorSpec([None, 2])])
+  @tf.function(input_signature=[tf.TensorSpec([None, *shape]), tf.TensorSpec([None, 2])])
   def run(x, y):
     grads = per_example.compute(engine_helpers.mse(y, model(x, training=True)),
                                 model.trainable_variables)
@@ -486,4 +515,4 @@ def test_convolutions_of_unknown_sizes_take_the_fallback():
   for g, r, v in zip(run(x, y), _single_example_gradients(model, x, y),
                      model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
-  assert [seen["rules"][i] for i in (0, 2)] == ["fallback", "fallback"], seen["rules"]
+  _assert_rules(seen["rules"], want)

@@ -135,7 +135,11 @@ def windowed_outer(x: tf.Tensor, d: tf.Tensor, ksize: list[int], windows: tuple,
                    dtype: tf.DType, blocks: int, shape: tuple[int, ...]) -> F.Outer:
   """The `Outer` Σ_p patch_pᵀ d_p of a windowed op's data `x` (`blocks` blocks of examples on axis
   0) and rows `d` (M, rows, O), its patches given by kernel offset (`F.Outer.of_blocks`): products
-  are formed offset by offset, without the stacked patches."""
+  are formed offset by offset, without the stacked patches. Of unknown spatial sizes, the stacked
+  patches (`patches`)."""
+  if not x.shape[1:-1].is_fully_defined():
+    return F.Outer(_rows(patches(x, ksize, *windows), m, dtype, blocks,
+                         math.prod(ksize) * x.shape[-1]), d, shape)
   if blocks == 1:
     return F.Outer.of_patches(Patches(x, ksize, windows, m, dtype), d, shape)
   parts = [_rows(s, m, dtype, blocks, x.shape[-1]) for s in shifted(x, ksize, *windows)]
@@ -178,11 +182,12 @@ class Patches:
 
 def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor,
              ksize: list[int]) -> Optional[tuple[list[int], list[int], str]]:
-  """(strides, dilations, padding) of a channels-last windowed op whose static sizes give `out`'s
-  spatial sizes from `data`'s, else None."""
+  """(strides, dilations, padding) of a channels-last windowed op of SAME or VALID padding whose
+  static sizes give `out`'s spatial sizes from `data`'s, or whose data has unknown spatial sizes
+  (then the patches come from TF's own windowing, as the op's did; 3-D ones without dilations,
+  which `tf.extract_volume_patches` lacks), else None."""
   rank = data.shape.rank
   if (rank is None or rank != len(ksize) + 2 or out.shape.rank != rank
-      or not data.shape[1:].is_fully_defined() or not out.shape[1:-1].is_fully_defined()
       or op.get_attr("data_format") not in (b"NHWC", b"NDHWC")):
     return None
   padding = op.get_attr("padding").decode()
@@ -191,6 +196,8 @@ def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor,
       dilations[0] != 1 or dilations[-1] != 1):
     return None
   strides, dilations = list(strides[1:-1]), list(dilations[1:-1])
+  if not data.shape[1:-1].is_fully_defined():  # TF's own windows (`patches`): no sizes to check.
+    return None if rank == 5 and max(dilations) > 1 else (strides, dilations, padding)
   outs = [_out_size(*a, padding)[0] for a in zip(data.shape[1:-1], ksize, strides, dilations)]
   if outs != out.shape[1:-1].as_list() or min(outs) < 1:
     return None
@@ -215,8 +222,18 @@ def patches(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[
   One gather of C-element rows from the padded data by indices computed here: faster on CPUs than
   `shifted`'s slices (3.0–8.6 against 7.5–11.0 ms across runs for the paper CNN's second conv at
   batch 128; memory-bound, it varies with the machine's load), and `tf.image.extract_patches` is
-  slower still (28.6 ms).
+  slower still (28.6 ms). Of unknown spatial sizes, TF's `extract_patches` (2-D) or
+  `extract_volume_patches` (3-D, no dilations): the windows TF's convs use, computed at run time.
   """
+  if not x.shape[1:-1].is_fully_defined():
+    if len(ksize) == 2:
+      rows = tf.image.extract_patches(x, [1, *ksize, 1], [1, *strides, 1], [1, *dilations, 1],
+                                      padding)
+    elif len(ksize) == 3 and max(dilations) == 1:
+      rows = tf.extract_volume_patches(x, [1, *ksize, 1], [1, *strides, 1], padding)
+    else:
+      raise ValueError(f"patches: no windowing op for {len(ksize)}-D dilations {dilations}.")
+    return tf.reshape(rows, [tf.shape(x)[0], -1, math.prod(ksize) * x.shape[-1]])
   sizes = x.shape[1:-1].as_list()
   outs, pads = zip(*(_out_size(*a, padding) for a in zip(sizes, ksize, strides, dilations)))
   after = [max((o - 1) * s + d * (k - 1) + 1 - n - p, 0)
@@ -402,17 +419,18 @@ def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
 
 
 def _transposed_use(op: tf.Operation,
-                    var_input: tf.Tensor) -> Optional[tuple[list[int], list[int], str]]:
-  """y = the transposed conv of data z by a filter (…, C_y, C_z): the windows of the conv y ↦ z."""
+                    var_input: tf.Tensor) -> Optional[tuple[int, list[int], list[int], str]]:
+  """y = the transposed conv of data z by a filter (…, C_y, C_z): the blocks of z (a dilated one's
+  SpaceToBatchND, as Keras 2 dilates it) and the windows of the conv y ↦ z."""
   if (op.type not in _TRANSPOSED or not trace.same(op.inputs[1], var_input)
       or trace.same(op.inputs[2], var_input)):
     return None
   w, z, y = op.inputs[1], op.inputs[2], op.outputs[0]
   if (not w.shape.is_fully_defined() or not y.shape.rank == z.shape.rank == w.shape.rank
-      or w.shape[-2] != y.shape[-1] or w.shape[-1] != z.shape[-1]):
+      or y.shape[-1] not in (None, w.shape[-2]) or w.shape[-1] != z.shape[-1]):
     return None
-  windows = _windows(op, y, z, w.shape[:-2])
-  return None if windows is None or trace.batch_axis(z) != 0 else windows
+  windows, blocks = _windows(op, y, z, w.shape[:-2]), _blocks(z)
+  return None if windows is None or blocks is None else (blocks, *windows)
 
 
 def match_transposed(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -424,6 +442,11 @@ def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   """Transposed conv y of z: the kernel gradient is the conv y ↦ z's, with dy as its data and z
   as its output gradient, g = Σ_p patch(dy)_pᵀ z_p."""
   w, z, y = op.inputs[1], op.inputs[2], op.outputs[0]
-  dy = tf.reshape(grad, [-1, *y.shape[1:]])  # y's static sizes (checked by the match).
-  return windowed_outer(dy, _rows(z, m, var.dtype, 1, w.shape[-1]), w.shape[:-2],
-                        _transposed_use(op, w), m, var.dtype, 1, tuple(var.shape))
+  # y's sizes (static where known: the match checked them); its channels are the filter's (Keras
+  # 2's dilated op leaves them unknown): another count would fail this reshape, never pass it.
+  sizes = y.shape[1:-1]
+  dy = tf.reshape(grad, [-1, *sizes, w.shape[-2]] if sizes.is_fully_defined() else
+                  tf.concat([tf.shape(y)[:-1], [w.shape[-2]]], 0))
+  blocks, *windows = _transposed_use(op, w)
+  return windowed_outer(dy, _rows(z, m, var.dtype, blocks, w.shape[-1]), w.shape[:-2], windows,
+                        m, var.dtype, blocks, tuple(var.shape))

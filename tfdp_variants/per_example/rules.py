@@ -185,7 +185,7 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
     outer = lambda g, d, shape: F.Outer.of_blocks(
         [b[:, :, g * cin:(g + 1) * cin] for b in blocks], d, shape)
   else:
-    patches = _rows(tf.image.extract_patches(x, [1, kh, kw, 1], strides, dilations, padding), m,
+    patches = _rows(conv_rules.patches(x, [kh, kw], strides[1:3], dilations[1:3], padding), m,
                     kh * kw * groups * cin, dtype)
     patches = tf.reshape(patches, [m, -1, kh * kw, groups, cin])
     outer = lambda g, d, shape: F.Outer(

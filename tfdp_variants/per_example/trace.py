@@ -678,7 +678,8 @@ _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 # Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
 # on a blocked tensor makes the axis unknown.
 _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D", "Conv3D",
-                         "DepthwiseConv2dNative", "BatchToSpaceND", "MatMul"})
+                         "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
+                         "BatchToSpaceND", "MatMul"})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
                            "TensorListLength", "TensorListElementShape"})
