@@ -187,8 +187,9 @@ def test_batch_axis_through_new_axes_and_computed_tile_multiples():
 
 def test_time_major_rows_are_regrouped_only_when_every_input_is_time_major():
   """A tensordot of time-major data, (T, B, K) → (T·B, K) → MatMul → (T, B, O), keeps the examples
-  on axis 1. Rows of that merged axis added to example-major rows of the same shape hold two
-  examples each, and nothing after them is proven; nor is any other reshape of the merged rows."""
+  on axis 1, size-1 axes anywhere included (Keras 2's LayerNormalization runs on (1, T·B, K, 1)).
+  Rows of that merged axis added to example-major rows of the same shape hold two examples each,
+  and nothing after them is proven; nor is any other reshape of the merged rows."""
   from tfdp_variants.per_example import trace
 
   results = []
@@ -197,13 +198,16 @@ def test_time_major_rows_are_regrouped_only_when_every_input_is_time_major():
     rows = tf.reshape(tf.transpose(x, [1, 0, 2]), [-1, 2])  # (T·B, K), time-major rows.
     out = tf.matmul(rows, tf.ones([2, 5]))
     mixed = rows + tf.reshape(x, [-1, 2])  # Plus example-major rows.
+    squeezed = tf.reshape(rows, [1, -1, 2, 1])  # (1, T·B, K, 1): still merged, on axis 1.
     cases = [tf.reshape(out, [3, -1, 5]), tf.reshape(mixed, [3, -1, 2]), rows,
-             tf.reshape(out, [-1, 3, 5]), tf.reshape(out, [3, -1, 5, 1])]
+             tf.reshape(out, [-1, 3, 5]), tf.reshape(out, [3, -1, 5, 1]),
+             tf.reshape(squeezed, [3, -1, 2]), tf.reshape(squeezed, [1, 3, 1, -1, 2]),
+             tf.reshape(squeezed, [-1, 3, 2]), tf.reshape(out, [6, -1, 5])]
     results.append([trace.batch_axis(t) for t in cases])
     return x
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([None, 3, 2]))
-  assert results == [[1, None, None, None, None]]
+  assert results == [[1, None, None, None, 1, 1, 3, None, None]]
 
 
 class _BiasOverExamples(tf.keras.layers.Layer):

@@ -165,11 +165,8 @@ RULES = {
     # Dense on (T, B, ·): a tensordot's rows are time-major, regrouped by example.
     "time_major_mlp": ["outer", "rowsum"] * 2,
     "einsum_dense_time_major": ["outer", "rowsum"] * 2,
-    # Keras 2 normalizes through a (1, T·B, K, 1) reshape, which the analysis does not follow when
-    # the examples are not the leading axis: exact on the fallback from there.
-    "layer_norm_time_major": per_stack(
-        keras3=["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum"],
-        keras2=["outer", "rowsum"] + ["fallback"] * 4),
+    # Keras 2 normalizes through a (1, T·B, K, 1) reshape: time-major rows, merged on axis 1.
+    "layer_norm_time_major": ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum"],
     "time_major_stack_back": ["outer", "rowsum"] * 3,
     "layer_norm_3d": ["outer", "rowsum", "rowsum", "rowsum", "outer", "rowsum", "outer",
                       "rowsum"],

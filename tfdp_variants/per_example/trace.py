@@ -291,32 +291,48 @@ def _softmax(op: tf.Operation, ins: list[Info]) -> Info:
   return ins[0] if ins[0].axis != _norm(-1, _rank(op.inputs[0])) else None
 
 
+def _without_units(shape: tf.TensorShape, keep: Optional[int] = None) -> tuple[tf.TensorShape,
+                                                                               list[int]]:
+  """`shape` without its static size-1 axes (but `keep`), and where each axis left came from."""
+  where = [i for i, d in enumerate(shape) if d != 1 or i == keep]
+  return tf.TensorShape([shape[i] for i in where]), where
+
+
 def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
   """Reshape keeps an example-major leading axis: examples are contiguous blocks of the flat data.
 
-  Leading size-1 axes are skipped on both sides (LayerNormalization's (1, B·T, K, 1)). The new
-  leading axis holds whole examples unless static shapes prove a row straddles two (the trailing
-  sizes do not divide one another); an axis after other non-unit axes is kept only when all axes
-  up to it are unchanged.
+  Size-1 axes are dropped on both sides first (they move no element: LayerNormalization's
+  (1, B·T, K, 1), of (B, T, K) or time-major (T, B, K) data). The new leading axis holds whole
+  examples unless static shapes prove a row straddles two (the trailing sizes do not divide one
+  another); an axis after other non-unit axes is kept only when all axes up to it are unchanged,
+  or merged with the static axes before it (time-major rows, `MERGED`) when all after it are.
   """
-  b = ins[0].axis
-  x, y = op.inputs[0].shape, op.outputs[0].shape
-  if ins[1].axis is not None or x.rank is None or y.rank is None:
+  if ins[1].axis is not None or op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
     return None
-  if ins[0].block:  # Only a split restoring a merged axis (`_unmerge`) keeps the examples.
-    return _unmerge(op, ins[0])
-  if all(d == 1 for d in x[:b]):
-    j = next((i for i, d in enumerate(y) if d != 1), None)
-    if j is None:
+  x, from_x = _without_units(op.inputs[0].shape, ins[0].axis)
+  y, from_y = _without_units(op.outputs[0].shape)
+  info = dataclasses.replace(ins[0], axis=from_x.index(ins[0].axis))
+  if x.as_list() == y.as_list() and x.as_list().count(None) <= 1:  # Units added or dropped only.
+    out = info
+  else:
+    out = _unmerge(info, x, y) if info.block else _reshaped(info, x, y)
+  return out if out is None or out.axis is None else dataclasses.replace(out,
+                                                                         axis=from_y[out.axis])
+
+
+def _reshaped(info: Batch, x: tf.TensorShape, y: tf.TensorShape) -> Info:
+  """`_reshape` of unblocked data, neither shape holding a static size-1 axis but the batch."""
+  b = info.axis
+  if b == 0:
+    tail_x, tail_y = x[1:].num_elements(), y[1:].num_elements()
+    if y.rank == 0 or (tail_x is not None and tail_y is not None and tail_x % tail_y
+                       and tail_y % tail_x):
       return None
-    tail_x, tail_y = x[b + 1:].num_elements(), y[j + 1:].num_elements()
-    if tail_x is not None and tail_y is not None and tail_x % tail_y and tail_y % tail_x:
-      return None
-    return Batch(j)
+    return Batch(0)
   same = y.rank > b and all(
       p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
   if same:
-    return ins[0]
+    return info
   j = y.rank - (x.rank - b - 1) - 1  # Axes after the batch axis kept, those before merged into it.
   if j >= 0 and x[:j].is_fully_defined() and (
       x[:j] == y[:j] and x[b + 1:].is_fully_defined() and x[b + 1:] == y[j + 1:]):
@@ -325,11 +341,11 @@ def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
   return None
 
 
-def _unmerge(op: tf.Operation, info: Batch) -> Info:
-  """A Reshape of a merged axis j (`_merged_sizes`) back into its sizes and the batch axis, every
-  other axis unchanged: the examples lie on the axis after the sizes."""
+def _unmerge(info: Batch, x: tf.TensorShape, y: tf.TensorShape) -> Info:
+  """A reshape x → y of a merged axis j (`_merged_sizes`) back into its sizes and the batch axis,
+  every other axis unchanged (only a split restoring it keeps the examples): they lie on the axis
+  after the sizes."""
   sizes, j = _merged_sizes(info), info.axis
-  x, y = op.inputs[0].shape, op.outputs[0].shape
   if (sizes is None or y.rank != x.rank + len(sizes) or not x[:j].is_fully_defined()
       or not x[j + 1:].is_fully_defined()):
     return None
@@ -679,7 +695,8 @@ _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 # on a blocked tensor makes the axis unknown.
 _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D", "Conv3D",
                          "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
-                         "BatchToSpaceND", "MatMul"})
+                         "BatchToSpaceND", "MatMul", "FusedBatchNorm", "FusedBatchNormV2",
+                         "FusedBatchNormV3"})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
                            "TensorListLength", "TensorListElementShape"})
