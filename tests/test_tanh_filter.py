@@ -236,12 +236,31 @@ def test_tanh_series_constants_hold_within_float32_rounding():
     assert np.max(np.abs(series - np.tanh(y)) / np.abs(np.tanh(y))) < 2.0**-26
 
 
-@pytest.mark.parametrize("chunk_size,top", [(1, 0.25), (8, 0.25), (8, 0.05), (8, 1e-5)])
-def test_rank_one_rows_filtered_by_series_or_materialized(chunk_size, top):
-  """Σ_m f(a_m d_mᵀ) from an `Outer` of one row per microbatch, against float64 NumPy: rows
-  inside the series' radius (the largest at `top`, which sets the terms taken), on its edge and
-  beyond it (materialized), a zero row, and rows whose factors alone would overflow or vanish in a
-  power."""
+def test_tanh_square_series_holds_within_float32_rounding():
+  """The Cauchy square of the series' coefficients is tanh²'s series (−(2n+3)·c_(n+1)), and its
+  five terms are tanh² to within 2⁻²⁶ relatively on |y| ≤ square_radii[0] (0.223)."""
+  from tfdp_variants.algorithms import tanh_filter
+  f = tanh_filter.TanhFilter(1.0, 0.0)._odd_filter()
+  series = tanh_filter._TANH_SERIES
+  np.testing.assert_allclose(f.square_coefficients,
+                             [-(2 * n + 3) * series[n + 1] for n in range(5)], rtol=1e-15)
+  (radius,) = f.square_radii
+  assert 0.22 < radius < 0.25
+  y = np.linspace(-radius, radius, 20001)
+  y = y[y != 0]
+  squares = sum(s * y**(2 * n + 2) for n, s in enumerate(f.square_coefficients))
+  assert np.max(np.abs(squares - np.tanh(y)**2) / np.tanh(y)**2) < 2.0**-26
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("chunk_size,top", [(1, 0.25), (8, 0.25), (8, 0.2), (8, 0.05),
+                                            (8, 1e-5)])
+def test_rank_one_rows_filtered_by_series_or_materialized(chunk_size, top, weighted):
+  """Σ_m w_m f(a_m d_mᵀ) (w_m = 1 unweighted) and ‖f(a_m d_mᵀ)‖² (certified mode's norms) from
+  an `Outer` of one row per microbatch, against float64 NumPy: rows inside the series' radius (the
+  largest at `top`, which sets the terms taken; 0.25 lies beyond the squares' radius), on its
+  edge and beyond it (materialized), a zero row, and rows whose factors alone would overflow or
+  vanish in a power."""
   from tfdp_variants.per_example import factors
   c, k = 2.0, 0.5
   rng = np.random.default_rng(0)
@@ -261,10 +280,14 @@ def test_rank_one_rows_filtered_by_series_or_materialized(chunk_size, top):
                                                       active_range=k)._odd_filter()
   outer = factors.Outer(tf.constant(a[:, None], tf.float32), tf.constant(d[:, None], tf.float32),
                         (5, 4))
-  got = outer.elementwise_sum(f, chunk_size).numpy()
+  w = np.linspace(0.2, 1.0, len(a)) if weighted else np.ones(len(a))
+  got = outer.elementwise_sum(f, chunk_size, tf.constant(w) if weighted else None).numpy()
   a32, d32 = a.astype(np.float32).astype(np.float64), d.astype(np.float32).astype(np.float64)
-  want = (c * np.tanh(a32[:, :, None] * d32[:, None, :] / k)).sum(0)
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * c * top)
+  filtered = c * np.tanh(a32[:, :, None] * d32[:, None, :] / k)
+  np.testing.assert_allclose(got, np.einsum("m,mij->ij", w, filtered), rtol=1e-6,
+                             atol=1e-6 * c * top)
+  norms = outer.elementwise_norms(f, chunk_size).numpy()
+  np.testing.assert_allclose(norms, (filtered**2).sum((1, 2)), rtol=1e-6, atol=0)
 
 
 def _embedding_model():
@@ -279,11 +302,18 @@ def _embedding_model():
     (lambda: tf.keras.Sequential([L.Input((3,)), L.Dense(4, activation="tanh"), L.Dense(2)]),
      np.random.default_rng(1).normal(size=(B, 3)).astype("float32") * np.array(
          [0.01, 0.1, 1, 10] * 2, np.float32)[:, None], 0.5),
+    # A Dense kernel on 3 rows per example: not rank one, materialized beside the series.
+    (lambda: tf.keras.Sequential([L.Input((3, 3)), L.Dense(4, activation="tanh"), L.Flatten(),
+                                  L.Dense(2)]),
+     np.random.default_rng(1).normal(size=(B, 3, 3)).astype("float32") * np.array(
+         [0.01, 0.1, 1, 10] * 2, np.float32)[:, None, None], 0.5),
 ])
-def test_factored_filter_step_matches_single_example_gradients(build, x, k):
-  """σ = 0, one example per microbatch: ĝ = (1/M) Σ_m c·tanh(g_m/k) where the embedding's g_m
-  are filtered from the rows each example touches (ids repeated within an example) and the Dense
-  kernels' from their series (rows in and out of its radius), against single-example tapes."""
+@pytest.mark.parametrize("certified", [False, True])
+def test_factored_filter_step_matches_single_example_gradients(build, x, k, certified):
+  """σ = 0, one example per microbatch: ĝ = (1/M) Σ_m w_m c·tanh(g_m/k) where the embedding's
+  g_m are filtered from the rows each example touches (ids repeated within an example) and the
+  Dense kernels' from their series (rows in and out of its radius), against single-example tapes;
+  w_m = 1, or certified, min(1, C/‖f(g_m)‖) over all variables (some rows clipped, some not)."""
   c = 1.5
   model = build()
   y = np.random.default_rng(2).normal(size=(B, 2)).astype("float32")
@@ -295,12 +325,16 @@ def test_factored_filter_step_matches_single_example_gradients(build, x, k):
       value = tf.reduce_mean(loss(y[i:i + 1], model(x[i:i + 1])))
     grads.append([tf.convert_to_tensor(g).numpy().astype(np.float64)
                   for g in tape.gradient(value, model.trainable_variables)])
-  model.compile(optimizer=_cls()(1.0, 0.0, output_range=c, active_range=k, learning_rate=1.0),
-                loss=loss)
+  filtered = [c * np.tanh(np.stack([gs[v] for gs in grads]) / k) for v in range(len(before))]
+  norms = np.sqrt(sum((f**2).reshape(B, -1).sum(1) for f in filtered))
+  clip = float(np.median(norms))  # Some rows clipped, some not.
+  weights = np.minimum(1, clip / norms) if certified else np.ones(B)
+  model.compile(optimizer=_cls()(clip, 0.0, output_range=c, active_range=k, learning_rate=1.0,
+                                 certified=certified, chunk_size=3), loss=loss)
   model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
   for v, (w0, w1) in enumerate(zip(before, model.get_weights())):
-    g = np.stack([gs[v] for gs in grads])
-    if v == len(before) - 2:  # The head's kernel: some rows in the series' radius, some not.
-      largest = np.abs(g / k).reshape(B, -1).max(1)
-      assert (largest <= 0.25).any() and (largest > 0.25).any()
-    np.testing.assert_allclose(w0 - w1, (c * np.tanh(g / k)).mean(0), rtol=1e-5, atol=1e-6)
+    if v == len(before) - 2 and x.dtype != np.int32:  # The head's kernel: some rows in the
+      largest = np.abs(np.stack([gs[v] for gs in grads]) / k).reshape(B, -1).max(1)
+      assert (largest <= 0.2).any() and (largest > 0.25).any()  # series' radius, some not.
+    np.testing.assert_allclose(w0 - w1, np.einsum("m,m...->...", weights, filtered[v]) / B,
+                               rtol=1e-5, atol=1e-6)

@@ -72,6 +72,23 @@ def test_jit_compiled_noisy_gradient_ac_is_exact():
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("certified", [False, True])
+def test_jit_compiled_tanh_filter_equals_the_graph_step(certified):
+  """Under XLA the tanh filter materializes every g_m (no dynamic shapes for its series or its
+  certified norms' passes): the same step as without XLA, which takes them from the factors."""
+  x, y = _data()
+  steps = []
+  for jit_compile in (False, True):
+    model = _model()
+    model.compile(optimizer=tfdp_variants.TanhFilterSGD(C, 0.0, active_range=0.5,
+                                                        certified=certified, learning_rate=LR),
+                  loss=_loss(), jit_compile=jit_compile)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    steps.append([v.numpy() for v in model.trainable_variables])
+  for got, want in zip(*steps):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_mixing_refused_under_xla_before_any_step():
   """Mixing is refused at trace time, where XLA (which cannot raise in a step) is not involved;
   a failed self-check under XLA is in test_engine_fail_closed.py."""

@@ -42,6 +42,11 @@ from tfdp_variants.per_example import PerExampleGradients
 _TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835, -1382 / 155925)
 _TANH_RADII = tuple(min(0.25, (2.0**-26 * 0.979 / abs(c))**(1 / (2 * n + 2)))
                     for n, c in enumerate(_TANH_SERIES[1:]))
+# tanh(y)² = Σ_n s_n y^(2n+2), s_n = Σ_(i+j=n) c_i c_j = −(2n+3)c_(n+1) (tanh' = 1 − tanh²): signs
+# alternate and terms shrink for |y| < 1, so the first five are off by at most |s_5|·|y|^12, within
+# 2⁻²⁶ of tanh(y)² ≥ (0.979·y)² while |y| ≤ 0.223 (certified mode's norms, `OddFunction`).
+_TANH_SQUARE_5 = sum(c * _TANH_SERIES[5 - i] for i, c in enumerate(_TANH_SERIES))
+_TANH_SQUARE_RADII = (min(0.25, (2.0**-26 * 0.979**2 / abs(_TANH_SQUARE_5))**(1 / 10)),)
 
 
 @base.register
@@ -97,18 +102,24 @@ class TanhFilter(base.Algorithm):
     `Outer` factor of one row per microbatch (a Dense layer's, one example per microbatch) sums
     f(g_m) as a few products, without materializing g_m, where its entries are that small."""
     return OddFunction(tf.tanh, _TANH_SERIES[:-1], _TANH_RADII, self.active_range,
-                       self.output_range)
+                       self.output_range, _TANH_SQUARE_RADII)
 
   def _clipped_filtered_sum(self, chunk: list[tf.Tensor]) -> list[tf.Tensor]:
-    """Σ_m clip(f(g_m), C) over a chunk, the norm over all variables (certified mode)."""
+    """Σ_m clip(f(g_m), C) over a materialized chunk, the norm over all variables."""
     return transforms.clipped_rows_sum([self.filter(g) for g in chunk], self.l2_norm_clip)
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
-    if self.certified:
-      summed = grads.reduce_chunks(self._clipped_filtered_sum, self.chunk_size)
+    f = self._odd_filter()
+    if self.certified:  # Σ_m clip(f(g_m), C), the norm over all variables together.
+      norms = grads.elementwise_norms(f, self.chunk_size)
+      if norms is None:  # Under XLA: each chunk filtered and clipped at once.
+        summed = grads.reduce_chunks(self._clipped_filtered_sum, self.chunk_size)
+      else:
+        summed = grads.elementwise_sum(f, self.chunk_size, transforms.clip_factors(
+            tf.sqrt(norms), self.l2_norm_clip))
       scale = self.l2_norm_clip
     else:
-      summed = grads.elementwise_sum(self._odd_filter(), self.chunk_size)  # Lines 7-8.
+      summed = grads.elementwise_sum(f, self.chunk_size)  # Lines 7-8.
       scale = 1.0  # Algorithm 1, line 10: N(0, σ² I), the sensitivity taken as 1.
     return self.mean(self.gradient_query(summed, scale), grads)
 

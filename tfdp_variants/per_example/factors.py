@@ -33,6 +33,7 @@ squared_norms` takes the float64 sum for those rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Protocol, Union
 
 import tensorflow as tf
@@ -175,32 +176,107 @@ class OddFunction:
   radii: tuple[float, ...]
   scale: Union[float, tf.Tensor] = 1.0
   gain: float = 1.0
+  # Where the first n + 1 terms of h²'s series (`square_coefficients`) give h² to within
+  # float32's rounding; empty: norms of f(g_m) are not taken from the series.
+  square_radii: tuple[float, ...] = ()
 
   def __call__(self, x: tf.Tensor) -> tf.Tensor:
     return self.gain * self.h(x / tf.cast(self.scale, x.dtype))
+
+  @property
+  def square_coefficients(self) -> tuple[float, ...]:
+    """h(y)² = Σ_n s_n y^(2n+2), s_n = Σ_(i+j=n) c_i c_j (the Cauchy square of h's series), for
+    the n that the coefficients given determine."""
+    c = self.coefficients
+    return tuple(sum(c[i] * c[n - i] for i in range(n + 1)) for n in range(len(c)))
 
   def of_scaled(self, factor: tf.Tensor) -> "OddFunction":
     """x ↦ f(factor·x), for gradients known up to a scale (a loss scale's inverse)."""
     return dataclasses.replace(self, scale=self.scale / factor)
 
 
-def _series_sum(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int) -> tf.Tensor:
-  """Σ_m f(a_m d_mᵀ), (K, O), for rows a: (M, K) and d: (M, O) of rank-one g_m.
+@dataclasses.dataclass(frozen=True)
+class _RankOne:
+  """Rank-one g_m = a_m d_mᵀ, rows a: (M, K) and d: (M, O), for f's power series.
 
-  The largest |entry| of g_m is exactly u_m·scale, u_m = max|a_m|·max|d_m|/scale. Where
-  u_m ≤ radii[-1], rescaling the rows to â_m, d̂_m of largest entry √u_m (â_m d̂_mᵀ = g_m/scale, no
-  power can overflow) gives Σ_m f(g_m) = Σ_n c_n Σ_m (â_m^(2n+1))ᵀ d̂_m^(2n+1), entrywise powers
-  of a rank-one product: one (K, N·M)·(N·M, O) product of the N terms the largest u_m needs. The
-  other rows are materialized and filtered, `chunk_size` at a time (a step pays for the rows it
-  has).
+  The largest |entry| of g_m is exactly u_m·scale, u_m = max|a_m|·max|d_m|/scale. Rows with
+  u_m ≤ `radius` are `inside`; rescaled to â_m, d̂_m (float64) of largest entry √u_m
+  (â_m d̂_mᵀ = g_m/scale, no power can overflow), their entrywise powers are rank one:
+  (â_k d̂_l)ⁿ = â_kⁿ d̂_lⁿ. Rows outside are zero in `a_hat`, `d_hat` and are materialized."""
+
+  a: tf.Tensor
+  d: tf.Tensor
+  f: OddFunction
+  radius: float
+
+  @functools.cached_property
+  def scaled(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(u, inside, â, d̂)."""
+    a64, d64 = tf.cast(self.a, tf.float64), tf.cast(self.d, tf.float64)
+    max_a, max_d = tf.reduce_max(tf.abs(a64), 1), tf.reduce_max(tf.abs(d64), 1)
+    u = max_a * max_d / tf.cast(self.f.scale, tf.float64)  # At most (3.4e38)² in float64.
+    inside = u <= self.radius
+    u = tf.where(inside, u, tf.zeros_like(u))  # Rows outside: zero in the series.
+    return (u, inside, a64 * tf.math.divide_no_nan(tf.sqrt(u), max_a)[:, None],
+            d64 * tf.math.divide_no_nan(tf.sqrt(u), max_d)[:, None])
+
+  def outside_sum(self, chunk_size: int, fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
+                  init: tf.Tensor) -> tf.Tensor:
+    """Σ over the rows outside, `chunk_size` at a time, of fn(rows' indices, h(g_m/scale)),
+    the rows laid out (c, O, K) or (c, K, O), the longer axis innermost (elementwise ops run 2-3×
+    faster on (M, 10, 1000) than on (M, 1000, 10) here); `fn` sees which with `wide`."""
+    outside = tf.cast(tf.reshape(tf.where(tf.logical_not(self.scaled[1])), [-1]), tf.int32)
+    inner, outer = (self.a, self.d_scaled) if self.wide else (self.d_scaled, self.a)
+
+    def chunk(start, stop):
+      rows = outside[start:stop]
+      return fn(rows, self.f.h(tf.gather(outer, rows)[:, :, None]
+                               * tf.gather(inner, rows)[:, None, :]))
+
+    return chunked_sum(tf.size(outside), chunk_size, chunk, init)
+
+  @property
+  def d_scaled(self) -> tf.Tensor:
+    return self.d / tf.cast(self.f.scale, self.d.dtype)
+
+  @property
+  def wide(self) -> bool:
+    return self.a.shape[1] >= self.d.shape[1]
+
+
+def _series_norms(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int) -> tf.Tensor:
+  """(M,) float64 ‖f(a_m d_mᵀ)‖² for rank-one g_m: inside `square_radii[-1]`,
+  gain²·Σ_n s_n (Σ_k â_k^(2n+2))(Σ_l d̂_l^(2n+2)) (h²'s series; a sum of entrywise powers of a
+  rank-one product is the product of the sides' sums), the rows outside materialized."""
+  rank_one = _RankOne(a, d, f, min(f.radii[-1], f.square_radii[-1]))
+  _, inside, a_hat, d_hat = rank_one.scaled
+  a_sq, d_sq = tf.square(a_hat), tf.square(d_hat)
+  power_a, power_d, total = a_sq, d_sq, tf.zeros_like(a_sq[:, 0])
+  for n, coefficient in enumerate(f.square_coefficients):
+    if n:
+      power_a, power_d = power_a * a_sq, power_d * d_sq
+    total += coefficient * tf.reduce_sum(power_a, 1) * tf.reduce_sum(power_d, 1)
+  m = tf.shape(a)[0]
+  per_row = lambda rows, h: tf.scatter_nd(
+      rows[:, None], tf.reduce_sum(tf.square(tf.cast(h, tf.float64)), [1, 2]), [m])
+  outside = rank_one.outside_sum(chunk_size, per_row, tf.zeros([m], tf.float64))
+  return f.gain**2 * tf.where(inside, total, outside)
+
+
+def _series_sum(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int,
+                w: Optional[tf.Tensor] = None) -> tf.Tensor:
+  """Σ_m w_m f(a_m d_mᵀ), (K, O), for rank-one g_m (`_RankOne`; w_m = 1 without `w`).
+
+  Inside radii[-1] (and `square_radii[-1]` with `w`: the rows `_series_norms` takes from its
+  series), Σ_m w_m f(g_m) = Σ_n c_n Σ_m (w_m â_m^(2n+1))ᵀ d̂_m^(2n+1): one (K, N·M)·(N·M, O)
+  product of the N terms the largest u_m needs. The other rows are materialized and filtered,
+  `chunk_size` at a time (a step pays for the rows it has).
   """
-  a64, d64 = tf.cast(a, tf.float64), tf.cast(d, tf.float64)
-  max_a, max_d = tf.reduce_max(tf.abs(a64), 1), tf.reduce_max(tf.abs(d64), 1)
-  u = max_a * max_d / tf.cast(f.scale, tf.float64)  # No overflow: at most (3.4e38)² in float64.
-  inside = u <= f.radii[-1]
-  u = tf.where(inside, u, tf.zeros_like(u))  # Rows outside: zero in the series.
-  a_hat = tf.cast(a64 * tf.math.divide_no_nan(tf.sqrt(u), max_a)[:, None], a.dtype)
-  d_hat = tf.cast(d64 * tf.math.divide_no_nan(tf.sqrt(u), max_d)[:, None], d.dtype)
+  radius = f.radii[-1] if w is None else min(f.radii[-1], f.square_radii[-1])
+  rank_one = _RankOne(a, d, f, radius)
+  u, _, a_hat, d_hat = rank_one.scaled
+  a_hat, d_hat = tf.cast(a_hat, a.dtype), tf.cast(d_hat, d.dtype)
+  w_rows = 1.0 if w is None else tf.cast(w, a.dtype)[:, None]  # Folded into one side's terms.
 
   def terms(n: int) -> Callable[[], tf.Tensor]:
     def product():
@@ -209,28 +285,23 @@ def _series_sum(a: tf.Tensor, d: tf.Tensor, f: OddFunction, chunk_size: int) -> 
       for _ in range(n):
         powers_a.append(powers_a[-1] * a_sq)
         powers_d.append(powers_d[-1] * d_sq)
-      return tf.matmul(tf.concat([f.gain * c * p for c, p in zip(f.coefficients, powers_a)], 0),
+      return tf.matmul(tf.concat([f.gain * c * w_rows * p
+                                  for c, p in zip(f.coefficients, powers_a)], 0),
                        tf.concat(powers_d, 0), transpose_a=True)
     return product
 
   needed = tf.reduce_sum(tf.cast(tf.reduce_max(u) > tf.constant(f.radii[:-1], tf.float64),
                                  tf.int32))
   series = tf.switch_case(needed, [terms(n) for n in range(len(f.radii))])
-  outside = tf.cast(tf.reshape(tf.where(tf.logical_not(inside)), [-1]), tf.int32)
 
-  d_scaled = d / tf.cast(f.scale, d.dtype)
-  # g_m / scale laid out with the longer axis innermost (elementwise ops run 2-3× faster on
-  # (M, 10, 1000) than on (M, 1000, 10) here), transposed back once summed.
-  wide = a.shape[1] >= d.shape[1]
-  inner, outer = (a, d_scaled) if wide else (d_scaled, a)
+  def weighted(rows, h):
+    if w is not None:
+      h *= tf.gather(tf.cast(w, h.dtype), rows)[:, None, None]
+    return tf.reduce_sum(h, 0)
 
-  def chunk(start, stop):
-    rows = outside[start:stop]
-    y = tf.gather(outer, rows)[:, :, None] * tf.gather(inner, rows)[:, None, :]
-    return tf.reduce_sum(f.h(y), 0)
-
-  exact = chunked_sum(tf.size(outside), chunk_size, chunk,
-                      tf.zeros([tf.shape(outer)[1], tf.shape(inner)[1]], series.dtype))
+  wide, sizes = rank_one.wide, [tf.shape(a)[1], tf.shape(d)[1]]
+  exact = rank_one.outside_sum(chunk_size, weighted,
+                               tf.zeros(sizes[::-1] if wide else sizes, series.dtype))
   return series + f.gain * (tf.transpose(exact) if wide else exact)
 
 
@@ -372,11 +443,21 @@ class Outer:
     g = _rows(blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1), keep)
     return tf.reshape(g, (-1, *self.shape))
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
-    if self.a.shape[1] != 1 or self.a.dtype != tf.float32 or self.blocks is not None:
-      return None  # Only a product of one row per microbatch is rank one.
-    sums = _series_sum(self._rows_a()[:, 0], self._rows_d()[:, 0], f, chunk_size)
+  def _rank_one(self) -> bool:
+    """Whether g_m is one product a_m d_mᵀ (one row per microbatch) for f's series."""
+    return self.a.shape[1] == 1 and self.a.dtype == tf.float32 and self.blocks is None
+
+  def elementwise_sum(self, f: OddFunction, chunk_size: int,
+                      w: Optional[tf.Tensor] = None) -> Optional[tf.Tensor]:
+    if not self._rank_one():
+      return None
+    sums = _series_sum(self._rows_a()[:, 0], self._rows_d()[:, 0], f, chunk_size, w)
     return tf.reshape(sums, self.shape)
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+    if not (self._rank_one() and f.square_radii):
+      return None
+    return _series_norms(self._rows_a()[:, 0], self._rows_d()[:, 0], f, chunk_size)
 
 
 @dataclasses.dataclass
@@ -407,9 +488,17 @@ class RowSum:
   def materialize(self, start, stop) -> tf.Tensor:
     return tf.reshape(self.g[start:stop], (-1, *self.shape))
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> tf.Tensor:
+  def elementwise_sum(self, f: OddFunction, chunk_size: int,
+                      w: Optional[tf.Tensor] = None) -> tf.Tensor:
     del chunk_size  # As small as the variable per microbatch.
-    return tf.reshape(tf.reduce_sum(f(self.g), 0), self.shape)
+    filtered = f(self.g)
+    if w is not None:
+      filtered *= tf.cast(w, filtered.dtype)[:, None]
+    return tf.reshape(tf.reduce_sum(filtered, 0), self.shape)
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> tf.Tensor:
+    del chunk_size
+    return tf.reduce_sum(tf.square(tf.cast(f(self.g), tf.float64)), 1)
 
 
 def row_sum(d: tf.Tensor, shape: tuple[int, ...]) -> RowSum:
@@ -521,14 +610,29 @@ class Gather:
         tf.reshape(d, [-1, self._width]), tf.reshape(offsets, [-1]), count * vocab)
     return tf.reshape(rows, (count, *self.shape))
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> tf.Tensor:
-    """f(0) = 0 on the rows g_m does not touch: Σ_m f(g_m) = Σ over (m, v) of f(G_mv), scattered
-    to table row v, G_mv the sum of m's rows with id v (M·T rows at most, never M·V)."""
-    del chunk_size
+  def _filtered_per_id(self, f: OddFunction) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(table row v, example m, f(G_mv)) for each distinct (v, m), G_mv the sum of m's rows with
+    id v (M·T of them at most, never M·V); f(0) = 0 on the rows g_m does not touch."""
     keys, rows = _summed_per_id(self.ids, self._rows_d())
-    table_row = keys // tf.cast(tf.shape(self.ids)[0], tf.int64)
-    return tf.reshape(tf.math.unsorted_segment_sum(f(rows), table_row, self.shape[0]),
+    m = tf.cast(tf.shape(self.ids)[0], tf.int64)
+    return keys // m, keys % m, f(rows)
+
+  def elementwise_sum(self, f: OddFunction, chunk_size: int,
+                      w: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """Σ_m w_m f(g_m) = Σ over (m, v) of w_m f(G_mv), scattered to table row v."""
+    del chunk_size
+    table_row, example, filtered = self._filtered_per_id(f)
+    if w is not None:
+      filtered *= tf.gather(tf.cast(w, filtered.dtype), example)[:, None]
+    return tf.reshape(tf.math.unsorted_segment_sum(filtered, table_row, self.shape[0]),
                       self.shape)
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> tf.Tensor:
+    del chunk_size
+    _, example, filtered = self._filtered_per_id(f)
+    return tf.math.unsorted_segment_sum(
+        tf.reduce_sum(tf.square(tf.cast(filtered, tf.float64)), 1), example,
+        tf.shape(self.ids)[0])
 
 
 @dataclasses.dataclass
@@ -567,9 +671,14 @@ class Columns:
     return tf.reshape(self._join([p.materialize(start, stop) for p in self.parts]),
                       (-1, *self.shape))
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
-    sums = [p.elementwise_sum(f, chunk_size) for p in self.parts]
+  def elementwise_sum(self, f: OddFunction, chunk_size: int,
+                      w: Optional[tf.Tensor] = None) -> Optional[tf.Tensor]:
+    sums = [p.elementwise_sum(f, chunk_size, w) for p in self.parts]
     return None if any(s is None for s in sums) else tf.reshape(self._join(sums), self.shape)
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+    norms = [p.elementwise_norms(f, chunk_size) for p in self.parts]
+    return None if any(n is None for n in norms) else tf.add_n(norms)
 
 
 @dataclasses.dataclass
@@ -625,8 +734,11 @@ class GroupedOuter:
   def materialize(self, start, stop) -> tf.Tensor:
     return tf.reshape(self._full(start, stop), (-1, *self.shape))
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> None:
-    del f, chunk_size  # Materialized, `reduce_chunks`-wise.
+  def elementwise_sum(self, f: OddFunction, chunk_size: int, w=None) -> None:
+    del f, chunk_size, w  # Materialized, `reduce_chunks`-wise.
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> None:
+    del f, chunk_size
 
 
 @dataclasses.dataclass
@@ -656,8 +768,11 @@ class Dense:
   def materialize(self, start, stop) -> tf.Tensor:
     return self.g[start:stop]
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: int) -> None:
-    del f, chunk_size  # Filtered a chunk of rows at a time (`reduce_chunks`): no second copy.
+  def elementwise_sum(self, f: OddFunction, chunk_size: int, w=None) -> None:
+    del f, chunk_size, w  # Filtered a chunk of rows at a time (`reduce_chunks`): no second copy.
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> None:
+    del f, chunk_size
 
 
 Factor = Outer | RowSum | Gather | Columns | GroupedOuter | Dense

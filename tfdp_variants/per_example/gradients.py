@@ -118,21 +118,57 @@ class PerExampleGradients:
                          lambda start, stop: list(fn(self.materialize(start, stop))),
                          [tf.zeros(v.shape, v.dtype) for v in self.variables])
 
-  def elementwise_sum(self, f: F.OddFunction, chunk_size: Optional[int] = None
-                      ) -> list[tf.Tensor]:
-    """Σ_m f(g_m) per variable, f odd and elementwise: from the factors where their form gives it
-    (an `Outer` of one row per microbatch through f's power series, a `Gather` from the rows
-    each example touches), the others materialized `chunk_size` g_m at a time (`reduce_chunks`).
-    Under XLA (no dynamic shapes), all materialized."""
-    sums = [None if in_xla() else
-            factor.elementwise_sum(f, chunk_size or default_chunk_size([variable]))
-            for factor, variable in zip(self.factors, self.variables)]
-    rest = [k for k, s in enumerate(sums) if s is None]
+  def _elementwise(self, form: Callable[[F.Factor, int], Optional[tf.Tensor]],
+                   chunk_size: Optional[int]) -> tuple[list[Optional[tf.Tensor]], list[int]]:
+    """`form(factor, chunk size)` per variable (None under XLA: no dynamic shapes), and the
+    variables it left to materialization."""
+    results = [None if in_xla() else form(factor, chunk_size or default_chunk_size([variable]))
+               for factor, variable in zip(self.factors, self.variables)]
+    return results, [k for k, r in enumerate(results) if r is None]
+
+  def _chunked(self, rest: list[int], chunk_size: Optional[int], fn: Callable, init):
+    """`F.chunked_sum` of fn(start, stop, materialized g_m of the variables `rest`)."""
+    variables = [self.variables[k] for k in rest]
+    return F.chunked_sum(
+        tf.cast(self.num_microbatches, tf.int32), chunk_size or default_chunk_size(variables),
+        lambda start, stop: fn(start, stop, [self.factors[k].materialize(start, stop)
+                                             for k in rest]), init)
+
+  def elementwise_sum(self, f: F.OddFunction, chunk_size: Optional[int] = None,
+                      weights: Optional[tf.Tensor] = None) -> list[tf.Tensor]:
+    """Σ_m w_m f(g_m) per variable (w_m = 1 without `weights`, an (M,) vector), f odd and
+    elementwise: from the factors where their form gives it (an `Outer` of one row per microbatch
+    through f's power series, a `Gather` from the rows each example touches), the others
+    materialized `chunk_size` g_m at a time. Under XLA (no dynamic shapes), all materialized."""
+    sums, rest = self._elementwise(lambda factor, size: factor.elementwise_sum(f, size, weights),
+                                   chunk_size)
     if rest:
-      others = PerExampleGradients([self.variables[k] for k in rest],
-                                   [self.factors[k] for k in rest], self.num_microbatches)
-      filtered = others.reduce_chunks(lambda chunk: [tf.reduce_sum(f(g), 0) for g in chunk],
-                                      chunk_size)
-      for k, s in zip(rest, filtered):
+      def filtered(start, stop, chunk):
+        w = None if weights is None else weights[start:stop]
+        return [tf.reduce_sum(f(g) if w is None else f(g) * tf.reshape(
+            tf.cast(w, g.dtype), [-1] + [1] * (g.shape.rank - 1)), 0) for g in chunk]
+      for k, s in zip(rest, self._chunked(rest, chunk_size, filtered,
+                                          [tf.zeros(self.variables[k].shape,
+                                                    self.variables[k].dtype) for k in rest])):
         sums[k] = s
     return sums
+
+  def elementwise_norms(self, f: F.OddFunction,
+                        chunk_size: Optional[int] = None) -> Optional[tf.Tensor]:
+    """(M,) float64 ‖f(g_m)‖² over all variables together, from the factors where their form
+    gives it (an `Outer` of one row per microbatch through the series of f², a `Gather`, a
+    `RowSum`), the others materialized `chunk_size` g_m at a time (a pass of its own: the clip
+    weights need every variable's share before `elementwise_sum` reads them). None under XLA
+    (no dynamic shapes): there, filter and clip each materialized chunk at once."""
+    if in_xla():
+      return None
+    norms, rest = self._elementwise(lambda factor, size: factor.elementwise_norms(f, size),
+                                    chunk_size)
+    m = tf.cast(self.num_microbatches, tf.int32)
+    if rest:
+      def squares(start, stop, chunk):
+        per_row = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(tf.cast(f(g), tf.float64)),
+                                                     [stop - start, -1]), 1) for g in chunk])
+        return tf.pad(per_row, [[start, m - stop]])
+      norms.append(self._chunked(rest, chunk_size, squares, tf.zeros([m], tf.float64)))
+    return tf.add_n([n for n in norms if n is not None])

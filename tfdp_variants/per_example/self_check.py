@@ -186,10 +186,15 @@ class _Checked:
   def materialize(self, start, stop) -> tf.Tensor:
     return self._after(self.factor.materialize(start, stop))
 
-  def elementwise_sum(self, f: F.OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+  def elementwise_sum(self, f: F.OddFunction, chunk_size: int,
+                      w: Optional[tf.Tensor] = None) -> Optional[tf.Tensor]:
     # From the rows the checked forms read: right wherever they are.
-    summed = self.factor.elementwise_sum(f, chunk_size)
+    summed = self.factor.elementwise_sum(f, chunk_size, w)
     return None if summed is None else self._after(summed)
+
+  def elementwise_norms(self, f: F.OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+    norms = self.factor.elementwise_norms(f, chunk_size)
+    return None if norms is None else self._after(norms)
 
 
 def _sq(t: tf.Tensor) -> tf.Tensor:

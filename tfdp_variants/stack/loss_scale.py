@@ -53,7 +53,11 @@ class UnscaledGradients:
                     chunk_size: int = 32) -> list[tf.Tensor]:
     return self._grads.reduce_chunks(lambda rows: fn([self._scale(t) for t in rows]), chunk_size)
 
-  def elementwise_sum(self, f: OddFunction, chunk_size: Optional[int] = None
-                      ) -> list[tf.Tensor]:
-    return self._grads.elementwise_sum(f.of_scaled(self._inverse), chunk_size)
+  def elementwise_sum(self, f: OddFunction, chunk_size: Optional[int] = None,
+                      weights: Optional[tf.Tensor] = None) -> list[tf.Tensor]:
+    return self._grads.elementwise_sum(f.of_scaled(self._inverse), chunk_size, weights)
+
+  def elementwise_norms(self, f: OddFunction,
+                        chunk_size: Optional[int] = None) -> Optional[tf.Tensor]:
+    return self._grads.elementwise_norms(f.of_scaled(self._inverse), chunk_size)
 
