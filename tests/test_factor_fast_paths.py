@@ -25,6 +25,23 @@ def test_patches_equal_extract_patches(kernel, stride, dilation, padding):
   np.testing.assert_array_equal(got.numpy(), tf.reshape(want, got.shape).numpy())
 
 
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+@pytest.mark.parametrize("sizes,kernel,stride,dilation", [
+    ((7, 6), (3, 3), (2, 2), (1, 1)), ((5, 8), (2, 3), (3, 1), (2, 1)),
+    ((3, 5), (1, 1), (3, 2), (1, 1)), ((4, 3, 6), (2, 1, 1), (1, 3, 3), (1, 1, 1)),
+    ((5, 4, 3), (3, 2, 2), (2, 1, 2), (1, 2, 1))])
+def test_patches_of_unknown_sizes_equal_static_ones(sizes, kernel, stride, dilation, padding):
+  """Patches gathered by indices computed in the graph from sizes known only at run time equal
+  the static path's (`test_patches_equal_extract_patches`), 3-D too, where the SAME padding would
+  be negative (stride above the kernel's span: `tf.extract_volume_patches` shifts those windows,
+  Conv3D does not)."""
+  x = tf.constant(np.random.default_rng(1).normal(size=(2, *sizes, 3)), tf.float32)
+  args = list(kernel), list(stride), list(dilation), padding
+  unknown = tf.function(lambda t: conv_rules.patches(t, *args),
+                        input_signature=[tf.TensorSpec([None] * (len(sizes) + 1) + [3])])
+  np.testing.assert_array_equal(unknown(x).numpy(), conv_rules.patches(x, *args).numpy())
+
+
 @pytest.mark.parametrize("gathered", [True, False])
 @pytest.mark.parametrize("kernel,stride,dilation,padding", [
     ((3, 3), (1, 1), (1, 1), "SAME"), ((2, 3), (2, 1), (1, 2), "VALID"),

@@ -485,9 +485,12 @@ UNKNOWN_SIZES = {  # Models on data of unknown spatial sizes: input shape, layer
         _DilatedConv(), L.Conv2DTranspose(2, 3, dilation_rate=2, padding="same"),
         L.GlobalAveragePooling2D(), L.Dense(2)], (9, 8, 2),
         ["grouped", "rowsum", "outer", "rowsum", "outer", "rowsum", "outer", *DENSE * 2]),
+    # The last conv's SAME padding would be negative (−2 on the last axis, of 6):
+    # `tf.extract_volume_patches` shifts such windows, Conv3D does not.
     "3d": ((None, None, None, 2), lambda: [
         L.Conv3D(2, 2, strides=(1, 2, 1), padding="same"), L.Conv3DTranspose(2, 2, strides=2),
-        L.GlobalAveragePooling3D(), L.Dense(2)], (4, 3, 3, 2), DENSE * 3),
+        L.Conv3D(2, 1, strides=3, padding="same"), L.GlobalAveragePooling3D(), L.Dense(2)],
+        (4, 3, 3, 2), DENSE * 4),
     "1d": ((None, 2), lambda: [
         L.Conv1D(2, 3, padding="causal", dilation_rate=2), L.SeparableConv1D(2, 3),
         L.Conv1DTranspose(2, 3, strides=2), L.GlobalAveragePooling1D(), L.Dense(2)], (9, 2),
@@ -497,8 +500,8 @@ UNKNOWN_SIZES = {  # Models on data of unknown spatial sizes: input shape, layer
 
 @pytest.mark.parametrize("name", sorted(UNKNOWN_SIZES))
 def test_convolutions_of_unknown_sizes_take_their_rules(name):
-  """Without static spatial sizes the conv rules read the patches from TF's own windowing
-  (`extract_patches`, `extract_volume_patches`), as the op itself did: exact, and no fallback."""
+  """Without static spatial sizes the conv rules gather the patches by indices computed from the
+  sizes at run time, in the op's padding, strides and dilations: exact, and no fallback."""
   shape, layers, data, want = UNKNOWN_SIZES[name]
   tf.keras.utils.set_random_seed(0)
   model = _seq(shape, *layers())

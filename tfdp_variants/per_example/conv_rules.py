@@ -39,13 +39,14 @@ from tfdp_variants.per_example import trace
 _TRANSPOSED = ("Conv2DBackpropInput", "Conv3DBackpropInputV2")
 
 
-def _out_size(size: int, k: int, stride: int, dilation: int, padding: str) -> tuple[int, int]:
-  """(output size, padding before) of a windowed op along one axis (TF's GetWindowedOutputSize)."""
+def _out_size(size, k: int, stride: int, dilation: int, padding: str) -> tuple:
+  """(output size, padding before) of a windowed op along one axis (TF's GetWindowedOutputSize),
+  of a static size (ints) or one known at run time (int64 scalars)."""
   span = dilation * (k - 1) + 1
   if padding == "VALID":
     return (size - span) // stride + 1, 0
   out = -(-size // stride)
-  return out, max((out - 1) * stride + span - size, 0) // 2
+  return out, _at_least_zero((out - 1) * stride + span - size) // 2
 
 
 def shifted(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[int],
@@ -217,38 +218,48 @@ def patches(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[
             padding: str) -> tf.Tensor:
   """(N, P, prod(ksize)·C): each output position's receptive field in the op's own padding,
   strides and dilations, features ordered (kernel offset, channel) as a kernel's rows, of
-  channels-last `x` (N, *spatial, C) of static sizes.
+  channels-last `x` (N, *spatial, C).
 
   One gather of C-element rows from the padded data by indices computed here: faster on CPUs than
   `shifted`'s slices (3.0–8.6 against 7.5–11.0 ms across runs for the paper CNN's second conv at
   batch 128; memory-bound, it varies with the machine's load), and `tf.image.extract_patches` is
-  slower still (28.6 ms). Of unknown spatial sizes, TF's `extract_patches` (2-D) or
-  `extract_volume_patches` (3-D, no dilations): the windows TF's convs use, computed at run time.
+  slower still (28.6 ms). Of unknown spatial sizes, the same gather by indices computed in the
+  graph from the sizes at run time, by `_out_size`'s arithmetic (`tf.extract_volume_patches`
+  would not do: where SAME padding would be negative, it shifts the windows and Conv3D does not).
   """
-  if not x.shape[1:-1].is_fully_defined():
-    if len(ksize) == 2:
-      rows = tf.image.extract_patches(x, [1, *ksize, 1], [1, *strides, 1], [1, *dilations, 1],
-                                      padding)
-    elif len(ksize) == 3 and max(dilations) == 1:
-      rows = tf.extract_volume_patches(x, [1, *ksize, 1], [1, *strides, 1], padding)
-    else:
-      raise ValueError(f"patches: no windowing op for {len(ksize)}-D dilations {dilations}.")
-    return tf.reshape(rows, [tf.shape(x)[0], -1, math.prod(ksize) * x.shape[-1]])
-  sizes = x.shape[1:-1].as_list()
+  static = x.shape[1:-1].is_fully_defined()
+  sizes = x.shape[1:-1].as_list() if static else tf.unstack(tf.shape(x, out_type=tf.int64)[1:-1])
   outs, pads = zip(*(_out_size(*a, padding) for a in zip(sizes, ksize, strides, dilations)))
-  after = [max((o - 1) * s + d * (k - 1) + 1 - n - p, 0)
+  after = [_at_least_zero((o - 1) * s + d * (k - 1) + 1 - n - p)
            for o, s, d, k, n, p in zip(outs, strides, dilations, ksize, sizes, pads)]
-  if any(pads) or any(after):
+  if not static or any(pads) or any(after):
     x = tf.pad(x, [[0, 0], *([p, a] for p, a in zip(pads, after)), [0, 0]])
   padded = [n + p + a for n, p, a in zip(sizes, pads, after)]
-  grid = lambda counts, steps: np.stack(np.meshgrid(
-      *(np.arange(c) * s for c, s in zip(counts, steps)), indexing="ij"), -1).reshape(
-          -1, len(counts))
-  at = grid(outs, strides)[:, None, :] + grid(ksize, dilations)[None, :, :]  # (P, K, rank)
-  index = np.ravel_multi_index(at.reshape(-1, len(sizes)).T, padded)
-  rows = tf.gather(tf.reshape(x, [-1, math.prod(padded), x.shape[-1]]),
-                   index.astype(np.int64 if math.prod(padded) >= 2**31 else np.int32), axis=1)
-  return tf.reshape(rows, [-1, math.prod(outs), math.prod(ksize) * x.shape[-1]])
+  offsets = _grid(ksize, dilations, np)  # (K, rank), static.
+  if static:
+    at = _grid(outs, strides, np)[:, None, :] + offsets[None, :, :]  # (P, K, rank)
+    index = np.ravel_multi_index(at.reshape(-1, len(sizes)).T, padded)
+    index = index.astype(np.int64 if math.prod(padded) >= 2**31 else np.int32)
+  else:
+    at = _grid(outs, strides, tf)[:, None, :] + offsets[None, :, :]
+    place = [math.prod(padded[i + 1:]) for i in range(len(padded))]  # Row-major strides.
+    index = tf.reshape(tf.reduce_sum(at * tf.stack(place), -1), [-1])
+  flat = tf.reshape(x, [-1, math.prod(padded), x.shape[-1]] if static else
+                    [tf.shape(x)[0], -1, x.shape[-1]])
+  rows = tf.gather(flat, index, axis=1)
+  return tf.reshape(rows, [-1, math.prod(outs) if static else tf.shape(index)[0] // len(offsets),
+                           math.prod(ksize) * x.shape[-1]])
+
+
+def _at_least_zero(v):
+  return max(v, 0) if isinstance(v, int) else tf.maximum(v, 0)
+
+
+def _grid(counts, steps, xp):
+  """(Π counts, rank) of i·step over the grid of `counts`, row-major, in NumPy or TF (`xp`)."""
+  axes = [xp.range(c, dtype=xp.int64) * s if xp is tf else np.arange(c) * s
+          for c, s in zip(counts, steps)]
+  return xp.reshape(xp.stack(xp.meshgrid(*axes, indexing="ij"), -1), [-1, len(counts)])
 
 
 def _rows(t: tf.Tensor, m: tf.Tensor, dtype: tf.DType, blocks: int, *widths: int) -> tf.Tensor:
