@@ -3,7 +3,7 @@
 Input((None, None, 3)) → Conv2D(16, 3) → DepthwiseConv2D(3) → Conv2D(32, 1) →
 Conv2DTranspose(16, 3, strides 2) → global pooling → Dense(10), batch 64 of 32×32×3 images from
 a generator whose spec leaves the sizes unknown (as decoded images of varying size arrive), so
-the conv rules take their patches from TF's own windowing; `--static` gives the sizes.
+the conv rules compute their windows at run time; `--static` gives the sizes.
 
 Usage: python bench/unknown_sizes.py [--static]   (each optimizer in its own process)
 """

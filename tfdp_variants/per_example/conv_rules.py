@@ -185,8 +185,8 @@ def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor,
              ksize: list[int]) -> Optional[tuple[list[int], list[int], str]]:
   """(strides, dilations, padding) of a channels-last windowed op of SAME or VALID padding whose
   static sizes give `out`'s spatial sizes from `data`'s, or whose data has unknown spatial sizes
-  (then the patches come from TF's own windowing, as the op's did; 3-D ones without dilations,
-  which `tf.extract_volume_patches` lacks), else None."""
+  (then `patches` computes the windows at run time by the same arithmetic; positions of another
+  count than the op's output would fail the products' shapes, never pass them), else None."""
   rank = data.shape.rank
   if (rank is None or rank != len(ksize) + 2 or out.shape.rank != rank
       or op.get_attr("data_format") not in (b"NHWC", b"NDHWC")):
@@ -197,8 +197,8 @@ def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor,
       dilations[0] != 1 or dilations[-1] != 1):
     return None
   strides, dilations = list(strides[1:-1]), list(dilations[1:-1])
-  if not data.shape[1:-1].is_fully_defined():  # TF's own windows (`patches`): no sizes to check.
-    return None if rank == 5 and max(dilations) > 1 else (strides, dilations, padding)
+  if not data.shape[1:-1].is_fully_defined():  # No sizes to check before run time.
+    return strides, dilations, padding
   outs = [_out_size(*a, padding)[0] for a in zip(data.shape[1:-1], ksize, strides, dilations)]
   if outs != out.shape[1:-1].as_list() or min(outs) < 1:
     return None
