@@ -290,6 +290,17 @@ def test_rank_one_rows_filtered_by_series_or_materialized(chunk_size, top, weigh
   np.testing.assert_allclose(norms, (filtered**2).sum((1, 2)), rtol=1e-6, atol=0)
 
 
+def test_weighted_series_needs_the_squares_radius():
+  """An odd function without h²'s radius gives no norms from the series, and so no weighted sum
+  from it either (the weights' rows would be materialized: `PerExampleGradients`)."""
+  from tfdp_variants.per_example import factors
+  f = factors.OddFunction(tf.tanh, (1.0, -1 / 3), (1e-3, 1e-2))
+  outer = factors.Outer(tf.ones([3, 1, 2]), tf.ones([3, 1, 2]), (2, 2))
+  assert outer.elementwise_norms(f, 2) is None
+  assert outer.elementwise_sum(f, 2, tf.ones([3], tf.float64)) is None
+  assert outer.elementwise_sum(f, 2) is not None
+
+
 def _embedding_model():
   tf.keras.utils.set_random_seed(0)
   return tf.keras.Sequential([L.Input((4,), dtype="int32"), L.Embedding(6, 3),

@@ -455,7 +455,8 @@ class Outer:
 
   def elementwise_sum(self, f: OddFunction, chunk_size: int,
                       w: Optional[tf.Tensor] = None) -> Optional[tf.Tensor]:
-    if not self._rank_one():
+    # Weighted, the series covers the rows whose norms `elementwise_norms` took from it.
+    if not self._rank_one() or (w is not None and not f.square_radii):
       return None
     sums = _series_sum(self._rows_a()[:, 0], self._rows_d()[:, 0], f, chunk_size, w)
     return tf.reshape(sums, self.shape)
