@@ -113,6 +113,32 @@ def _ragged_ids():
   return tf.ragged.constant([[1, 2], [3], [4, 5, 6, 0], [2, 2, 1]], dtype=tf.int32)
 
 
+def _bow(ids: tf.RaggedTensor):
+  """TF Privacy's bag-of-words test model on ragged ids: Embedding, a sum over every axis but the
+  batch's, Dense."""
+  x = L.Input(ids.shape[1:], ragged=True, dtype="int32")
+  h = L.Embedding(7, 2)(x)
+  summed = L.Lambda(lambda t: tf.reduce_sum(t, axis=list(range(1, ids.shape.rank + 1))))(h)
+  return tf.keras.Model(x, L.Dense(2)(L.Lambda(lambda t: t[:, None])(summed)))
+
+
+class RaggedShifted(tf.keras.Model):
+  """Sums each example's embedded rows into another example's row (the row ids shifted by one):
+  segments computed from the splits, but not as `tf.ragged` computes row ids."""
+
+  def __init__(self):
+    super().__init__()
+    self.embed, self.out = L.Embedding(7, 3), L.Dense(2)
+
+  def call(self, x):
+    h = self.embed(x)
+    ids = tf.ragged.row_splits_to_segment_ids(h.row_splits)
+    return self.out(tf.math.unsorted_segment_sum(h.values, (ids + 1) % h.nrows(), h.nrows()))
+
+
+_EMPTY_ROWS = [[1], [4, 0, 4], [], [2, 2]]  # An example with no ids (TF Privacy's grid has them).
+
+
 CONV_GRID = {  # Opacus' conv grid: dims × groups × strides × padding × dilation.
     f"conv2d_g{g}_s{s}_{p}_d{d}": (
         lambda g=g, s=s, p=p, d=d: _seq((7, 7, 4), L.Conv2D(4, 3, strides=s, padding=p,
@@ -136,6 +162,11 @@ CONV_GRID.update({
 OTHER = {
     "embedding": (lambda: _seq((5,), L.Embedding(7, 3)), _ints(B, 5)),
     "embedding_ragged": (_ragged_embedding, _ragged_ids()),
+    "embedding_ragged_bow": (lambda: _bow(tf.ragged.constant(_EMPTY_ROWS)),
+                             tf.ragged.constant(_EMPTY_ROWS, dtype=tf.int32)),
+    "embedding_ragged_bow_3d": (
+        lambda: _bow(tf.ragged.constant([[r] for r in _EMPTY_ROWS])),
+        tf.ragged.constant([[[1]], [[4, 0], [4]], [], [[2, 2]]], dtype=tf.int32)),
     "table_rank3": (lambda: tf.keras.Sequential([L.Input((5,), dtype="int32"), _Table3(),
                                                  L.Flatten(), L.Dense(2)]), _ints(B, 5)),
     "time_major_mlp": (_time_major_mlp, _floats(B, 3, 4)),
@@ -160,7 +191,12 @@ OTHER = {
 RULES = {
     "conv2d_g2_s1_valid_d1": ["grouped", "rowsum", "outer", "rowsum"],
     "conv1d_g2_s1_d1": ["grouped", "rowsum", "outer", "rowsum"],
-    "embedding_ragged": ["fallback"] * 3,  # Ragged components never count as example-major.
+    # Rows of a ragged argument, which its splits partition into examples; summed by the row ids
+    # `tf.ragged` computes from them (proven by the same ops), the examples' rows follow.
+    "embedding_ragged": ["gather", "outer", "rowsum"],
+    "embedding_ragged_bow": ["gather", "outer", "rowsum"],
+    # Keras 3's Embedding wraps ids of ragged rank 2 in a `ragged.where` that no rule follows.
+    "embedding_ragged_bow_3d": per_stack(["fallback"] * 3, ["gather", "outer", "rowsum"]),
     "table_rank3": ["gather", "outer", "rowsum"],
     # Dense on (T, B, ·): a tensordot's rows are time-major, regrouped by example.
     "time_major_mlp": ["outer", "rowsum"] * 2,
@@ -212,7 +248,8 @@ def test_grid_matches_single_example_gradients(name, num_microbatches):
 
 
 @pytest.mark.parametrize("name", ["conv2d_g2_s2_same_d1", "conv1d_g2_s1_d2", "conv3d_g2",
-                                  "table_rank3", "embedding_ragged", "time_major_stack",
+                                  "table_rank3", "embedding_ragged", "embedding_ragged_bow",
+                                  "time_major_stack",
                                   "time_major_mlp"])
 def test_fit_clips_exact_per_example_gradients(name):
   """One noiseless DPSGD step in `fit` equals lr · mean of clipped single-example gradients."""
@@ -238,3 +275,13 @@ def test_paper_cnn_and_models_stay_on_the_fast_path():
       L.Conv2D(8, 5, padding="same", activation="relu"), L.MaxPool2D(2), L.Dropout(0.2),
       L.Flatten(), L.Dense(16, activation="relu"), L.Dense(10)])
   assert engine_helpers.rules(model, _floats(B, 28, 28, 1), _floats(B, 10)) == ["outer", "rowsum"] * 4
+
+
+def test_ragged_segments_other_than_row_ids_are_not_proven():
+  """Row ids shifted by one example sum each example's rows into its neighbour's row: the output
+  is not proven example-major, so the Dense after it takes no rule (the self-check then compares
+  the step with exact gradients), while the embedding's ids are still the argument's rows."""
+  model, x = RaggedShifted(), _ragged_ids()
+  model(x)
+  _, taken = engine_helpers.gradients_and_rules(model, x, _floats(B, 2))
+  assert taken == ["gather", "fallback", "fallback"]

@@ -33,6 +33,18 @@ def _rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
   return tf.reshape(tf.cast(t, dtype), [m, -1, width])
 
 
+def _padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor) -> tf.Tensor:
+  """Rows (N, ...) of a ragged argument's flat values, which `splits` (outermost first) partition
+  into examples (`trace.ragged_rows`), as (M, R, ...): each microbatch's rows, then zero rows up to
+  the longest one's (a zero row adds nothing to a gradient; its id 0 reads a row it does not
+  change)."""
+  bounds = splits[0]  # Example m's rows are [bounds[m], bounds[m + 1]) of the innermost.
+  for inner in splits[1:]:
+    bounds = tf.gather(inner, bounds)
+  per = tf.maximum((tf.size(bounds, bounds.dtype) - 1) // tf.cast(m, bounds.dtype), 1)
+  return tf.RaggedTensor.from_row_splits(t, bounds[::per], validate=False).to_tensor()
+
+
 def _examples_first(t: tf.Tensor, axis: int) -> tf.Tensor:
   """`t` with the axis holding its examples (proven by the match) moved to the front: time-major
   (T, B, ...) data becomes (B, T, ...)."""
@@ -275,10 +287,16 @@ def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 
 def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if (op.type != "ResourceGather" or not trace.same(op.inputs[0], var_input)
-      or op.get_attr("batch_dims") != 0 or trace.batch_axis(op.inputs[1]) is None
+      or op.get_attr("batch_dims") != 0 or not _ids_batched(op.inputs[1])
       or not op.inputs[0].dtype == tf.resource):
     return None
   return "gather"
+
+
+def _ids_batched(ids: tf.Tensor) -> bool:
+  """Whether an embedding's ids have their examples on a proven axis, or are a ragged argument's
+  rows with its splits."""
+  return trace.batch_axis(ids) is not None or trace.ragged_rows(ids) is not None
 
 
 def _whole_read(t: tf.Tensor) -> bool:
@@ -294,8 +312,7 @@ def _rows_gathered(op: tf.Operation, table: tf.Tensor) -> bool:
   axis."""
   return (op.type == "GatherV2" and trace.same(op.inputs[0], table)
           and not trace.same(op.inputs[1], table) and op.get_attr("batch_dims") == 0
-          and trace.constant_value(op.inputs[2]) == 0
-          and trace.batch_axis(op.inputs[1]) is not None)
+          and trace.constant_value(op.inputs[2]) == 0 and _ids_batched(op.inputs[1]))
 
 
 def _match_gather_v2(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -305,8 +322,13 @@ def _match_gather_v2(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 
 def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """ResourceGather/GatherV2 (Embedding): g = Σ_t onehot(id_t) ⊗ dz_t, a table row of any rank
-  per id; the ids' examples on any axis (the output's examples on the same)."""
+  per id; the ids' examples on any axis (the output's examples on the same), or the ids a ragged
+  argument's rows, padded per microbatch."""
   width = math.prod(var.shape[1:])
+  splits = trace.ragged_rows(op.inputs[1])
+  if splits is not None:
+    return F.Gather(tf.reshape(_padded(op.inputs[1], splits, m), [m, -1]),
+                    _rows(_padded(grad, splits, m), m, width, var.dtype), tuple(var.shape))
   axis = trace.batch_axis(op.inputs[1])
   return F.Gather(tf.reshape(_examples_first(op.inputs[1], axis), [m, -1]),
                   _rows(_examples_first(grad, axis), m, width, var.dtype), tuple(var.shape))

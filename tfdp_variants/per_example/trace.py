@@ -77,7 +77,9 @@ class Batch:
   the batch axis with earlier ones), followed by the static sizes of those earlier axes when known
   (`_merged_sizes`): a reshape that splits them off again restores the batch axis
   (`tf.tensordot` of time-major data, as Dense runs on it: (T, B, K) → (T·B, K) → MatMul →
-  (T, B, O)).
+  (T, B, O)); `RAGGED` for the flat values of a ragged argument (rows in example order, the
+  examples' boundaries in its row splits), followed by the names of the splits tensors, outermost
+  first, that partition the rows into examples (`ragged_rows`).
   """
 
   axis: Optional[int]
@@ -101,6 +103,7 @@ class Mixed:
 NO_BATCH = Batch(None)
 _DATA = Batch(0)
 MERGED = ("merged",)  # `Batch.block` of an axis that interleaves the examples (a merging reshape).
+RAGGED = ("ragged",)  # `Batch.block` of a ragged argument's flat values (then its splits' names).
 Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 
 
@@ -474,6 +477,78 @@ def _gather(op: tf.Operation, ins: list[Info]) -> Info:
   return None
 
 
+def _structure(t: tf.Tensor, source: tf.Tensor, memo: dict) -> tuple:
+  """`t`'s computation from `source`: each op's type, attributes (constants' values included),
+  output index and inputs, down to `source`; any other placeholder is named, so it matches
+  nothing traced elsewhere."""
+  if t.name not in memo:
+    op = t.op
+    if same(t, source):
+      memo[t.name] = ("source",)
+    elif op.type == "Placeholder" or op.control_inputs:
+      memo[t.name] = ("other", t.graph, t.name)
+    else:
+      attrs = tuple(sorted((k, v.SerializeToString(deterministic=True))
+                           for k, v in op.node_def.attr.items() if not k.startswith("_")))
+      memo[t.name] = (op.type, t.value_index, attrs,
+                      tuple(_structure(i, source, memo) for i in op.inputs))
+  return memo[t.name]
+
+
+_REFERENCES: dict = {}
+
+
+def _computes(t: tf.Tensor, fn: Callable[[tf.Tensor], tf.Tensor], source: tf.Tensor) -> bool:
+  """Whether `t` is `fn(source)`, computed by the same ops (types, attributes, constants and
+  wiring) as `fn` traced on an argument of `source`'s dtype and static shape: a proof for every
+  value of `source`, as sound as `fn` itself."""
+  key = (fn, source.dtype, tuple(source.shape.as_list()) if source.shape.rank is not None else None)
+  if key not in _REFERENCES:
+    graph = tf.function(fn, autograph=False).get_concrete_function(
+        tf.TensorSpec(source.shape, source.dtype)).graph
+    out = graph.outputs[0]
+    while out.op.type == "Identity":  # The function's own output identity.
+      out = out.op.inputs[0]
+    _REFERENCES[key] = _structure(out, graph.inputs[0], {})
+  return _structure(t, source, {}) == _REFERENCES[key]
+
+
+def _row_ids(splits: tf.Tensor) -> tf.Tensor:
+  return tf.ragged.row_splits_to_segment_ids(splits)
+
+
+def _row_count(splits: tf.Tensor) -> tf.Tensor:
+  return tf.shape(splits)[0] - 1
+
+
+def _tensor_named(graph: tf.Graph, name: str) -> Optional[tf.Tensor]:
+  try:
+    return graph.get_tensor_by_name(name)
+  except (KeyError, ValueError):
+    return None
+
+
+def _ragged_reduction(op: tf.Operation, ins: list[Info]) -> Optional[Batch]:
+  """UnsortedSegment* of a ragged argument's rows by the row ids of its innermost splits, into
+  their number of rows (`tf.ragged`'s reduction over the ragged axis, as `reduce_sum` computes
+  it): the rows of the splits outside them, or the examples. Both segment inputs must be those
+  computations of the splits (`_computes`), not any ids: other segments would mix examples."""
+  data = ins[0]
+  if not (isinstance(data, Batch) and data.axis == 0 and data.block[:1] == RAGGED
+          and len(data.block) > 1):
+    return None
+  splits = _tensor_named(op.graph, data.block[-1])
+  if splits is None or not (_computes(op.inputs[1], _row_ids, splits)
+                            and _computes(op.inputs[2], _row_count, splits)):
+    return None
+  outer = data.block[:-1]
+  return Batch(0, outer if len(outer) > 1 else ())
+
+
+_SEGMENT_REDUCTIONS = frozenset({"UnsortedSegmentSum", "UnsortedSegmentMax",
+                                 "UnsortedSegmentMin", "UnsortedSegmentProd"})
+
+
 def _space_to_batch(op: tf.Operation, ins: list[Info]) -> Info:
   block = constant_value(op.inputs[1])
   if ins[0].axis != 0 or ins[0].block or block is None or any(i.axis is not None for i in ins[1:]):
@@ -489,14 +564,17 @@ def _batch_to_space(op: tf.Operation, ins: list[Info]) -> Info:
   return Batch(0)
 
 
-def _fill_rows(op: tf.Operation) -> Optional[tuple[tf.Tensor, int, int]]:
+def _fill_rows(op: tf.Operation) -> Optional[tuple[tf.Tensor, Optional[int], Optional[int]]]:
   """A Fill (`tf.zeros`/`tf.ones` of a computed shape: an RNN's first state) whose dims pack
-  constants and one entry `Shape(t)[k]`: (t, k, the entry's position), else None.
+  constants and one entry `Shape(t)[k]`: (t, k, the entry's position); (t, None, None) for dims
+  `Shape(t)` (`tf.ones_like(t)`: batched as t is, blocks and ragged rows included); else None.
 
   Where t holds the examples on axis k, the filled tensor is batched on that position: its rows
   depend on no example, so each row belongs to one example vacuously, and one per example.
   """
   dims = op.inputs[0].op
+  if dims.type == "Shape":  # Shaped like t (`tf.ones_like`): rows where t's rows are.
+    return dims.inputs[0], None, None
   if dims.type != "Pack" or dims.get_attr("axis") != 0:
     return None
   found = []
@@ -696,7 +774,7 @@ _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D", "Conv3D",
                          "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
                          "BatchToSpaceND", "MatMul", "FusedBatchNorm", "FusedBatchNormV2",
-                         "FusedBatchNormV3"})
+                         "FusedBatchNormV3", "GatherV2", "ResourceGather", *_REDUCTIONS})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
                            "TensorListLength", "TensorListElementShape"})
@@ -737,20 +815,26 @@ def mark_released(tensors: list[tf.Tensor]) -> None:
       _RELEASED.setdefault(t.graph, set()).add(t.name)
 
 
-def _composite_inputs(graph: tf.Graph) -> set[str]:
-  """Names of the placeholders holding components of composite arguments (ragged, sparse)."""
+def _composite_inputs(graph: tf.Graph) -> tuple[set[str], dict[str, Batch]]:
+  """Names of the placeholders holding components of composite arguments (ragged, sparse), and
+  the info of those that are a ragged argument's flat values: rows of examples that its row
+  splits (the components after the values, outermost first) partition."""
   signature = getattr(graph, "structured_input_signature", None)
   if signature is None:
-    return set()
-  names, i = set(), 0
+    return set(), {}
+  names, ragged, i = set(), {}, 0
   for spec in tf.nest.flatten(signature, expand_composites=False):
     n = len(tf.nest.flatten(spec, expand_composites=True)) if isinstance(
         spec, tf.TypeSpec) else 1
     if isinstance(spec, tf.TypeSpec) and not (isinstance(spec, tf.TensorSpec)
                                               or _per_replica_dense(spec)):
-      names.update(t.name for t in graph.inputs[i:i + n])
+      parts = graph.inputs[i:i + n]
+      names.update(t.name for t in parts)
+      if (isinstance(spec, tf.RaggedTensorSpec) and spec.ragged_rank >= 1
+          and n == spec.ragged_rank + 1):
+        ragged[parts[0].name] = Batch(0, (*RAGGED, *(t.name for t in parts[1:])))
     i += n
-  return names
+  return names, ragged
 
 
 def _per_replica_dense(spec: tf.TypeSpec) -> bool:
@@ -780,7 +864,9 @@ def _placeholder(t: tf.Tensor, memo: dict) -> Info:
       return _DATA if _rows_of(t, memo["mode"][2]) else NO_BATCH  # An eager constant.
   if "args" not in memo:
     memo["args"] = ({x.name for x in graph.inputs}, _composite_inputs(graph))
-  args, composite = memo["args"]
+  args, (composite, ragged) = memo["args"]
+  if t.name in ragged and type(graph).__name__ == "FuncGraph":
+    return ragged[t.name]
   if (t.name not in args or t.name in composite or t.dtype == tf.variant
       or type(graph).__name__ in ("WhileBodyFuncGraph", "WhileCondFuncGraph",
                                   "CondBranchFuncGraph")):
@@ -973,10 +1059,15 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = [mixed] * len(op.outputs)
       elif why is not None:
         outs = [Mixed(op, why)] * len(op.outputs)
+      elif op.type in _SEGMENT_REDUCTIONS and (
+          reduced := _ragged_reduction(op, ins)) is not None:
+        outs = [reduced]
       elif any(i is None for i in ins):
         outs = [None] * len(op.outputs)
       elif op.type in CALLS:
         outs = _call_outputs(op, ins, memo)
+      elif fill is not None and fill[1] is None and _batched(memo[fill[0].name]):
+        outs = [memo[fill[0].name]]
       elif fill is not None and memo[fill[0].name] == Batch(fill[1]):
         outs = [Batch(fill[2])]
       elif all(i.axis is None for i in ins):
@@ -1014,6 +1105,17 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
 def batch_info(t: tf.Tensor) -> Info:
   """Where `t`'s examples lie: a `Batch` (axis None: no example), `Mixed`, or None if unknown."""
   return _analyse(t, _graph_memo(t.graph, _AXES))
+
+
+def ragged_rows(t: tf.Tensor) -> Optional[list[tf.Tensor]]:
+  """For `t` whose axis 0 holds the rows of a ragged argument's flat values (ids of an embedding
+  on ragged data): the row splits that partition them into examples, outermost first; None
+  otherwise."""
+  info = batch_info(t)
+  if not (isinstance(info, Batch) and info.axis == 0 and info.block[:1] == RAGGED):
+    return None
+  splits = [_tensor_named(t.graph, name) for name in info.block[1:]]
+  return None if any(s is None for s in splits) else splits
 
 
 def merged_rows(t: tf.Tensor) -> Optional[tuple[int, ...]]:
