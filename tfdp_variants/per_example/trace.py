@@ -874,6 +874,12 @@ def _placeholder(t: tf.Tensor, memo: dict) -> Info:
   return NO_BATCH if _rank(t) == 0 else _DATA
 
 
+def _decodes_data(op: tf.Operation) -> bool:
+  """Whether a RaggedTensorFromVariant decodes a ragged component that a data source yields (a
+  dataset's batch): its outermost rows are the examples, as a dense component's axis 0 is."""
+  return op.inputs[0].op.type in DATA_SOURCES
+
+
 def _reads_in_body(op: tf.Operation) -> bool:
   """Whether `op` runs a function body (cond, loop) given a resource or variant, which its body
   may read data from."""
@@ -1035,6 +1041,10 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
     elif op.type in DATA_SOURCES:
       for out in op.outputs:
         memo[out.name] = None if out.dtype == tf.variant else _DATA
+    elif op.type == "RaggedTensorFromVariant" and _decodes_data(op):
+      *splits, values = op.outputs  # A ragged batch that Keras 2's `fit` reads from its dataset.
+      memo.update({s.name: None for s in splits})
+      memo[values.name] = Batch(0, (*RAGGED, *(s.name for s in splits)))
     elif op.type == "Const" and _rows_of(x, constants):
       memo[x.name] = _DATA
     elif op.type in _NO_BATCH_OPS or x.dtype == tf.resource:
