@@ -136,6 +136,18 @@ class RaggedShifted(tf.keras.Model):
     return self.out(tf.math.unsorted_segment_sum(h.values, (ids + 1) % h.nrows(), h.nrows()))
 
 
+class RaggedDense(tf.keras.Model):
+  """A Dense on each row of ragged sequences of vectors (`map_flat_values`: a MatMul and a
+  BiasAdd on the flat rows), summed per example, then a Dense head."""
+
+  def __init__(self):
+    super().__init__()
+    self.rows, self.out = L.Dense(3, activation="tanh"), L.Dense(2)
+
+  def call(self, x):
+    return self.out(tf.reduce_sum(tf.ragged.map_flat_values(self.rows, x), axis=1))
+
+
 _EMPTY_ROWS = [[1], [4, 0, 4], [], [2, 2]]  # An example with no ids (TF Privacy's grid has them).
 
 
@@ -162,6 +174,9 @@ CONV_GRID.update({
 OTHER = {
     "embedding": (lambda: _seq((5,), L.Embedding(7, 3)), _ints(B, 5)),
     "embedding_ragged": (_ragged_embedding, _ragged_ids()),
+    "dense_ragged": (RaggedDense, tf.ragged.constant(
+        [[[0.5, 1.0], [2.0, -1.0]], [[1.0, 0.0]], [], [[0.3, 0.2], [1.0, 1.0], [-2.0, 0.5]]],
+        ragged_rank=1)),
     "embedding_ragged_bow": (lambda: _bow(tf.ragged.constant(_EMPTY_ROWS)),
                              tf.ragged.constant(_EMPTY_ROWS, dtype=tf.int32)),
     "embedding_ragged_bow_3d": (
@@ -195,6 +210,7 @@ RULES = {
     # `tf.ragged` computes from them (proven by the same ops), the examples' rows follow.
     "embedding_ragged": ["gather", "outer", "rowsum"],
     "embedding_ragged_bow": ["gather", "outer", "rowsum"],
+    "dense_ragged": ["outer", "rowsum"] * 2,  # The rows' MatMul and BiasAdd, padded per example.
     # Keras 3's Embedding wraps ids of ragged rank 2 in a `ragged.where` that no rule follows.
     "embedding_ragged_bow_3d": per_stack(["fallback"] * 3, ["gather", "outer", "rowsum"]),
     "table_rank3": ["gather", "outer", "rowsum"],
@@ -249,8 +265,7 @@ def test_grid_matches_single_example_gradients(name, num_microbatches):
 
 @pytest.mark.parametrize("name", ["conv2d_g2_s2_same_d1", "conv1d_g2_s1_d2", "conv3d_g2",
                                   "table_rank3", "embedding_ragged", "embedding_ragged_bow",
-                                  "time_major_stack",
-                                  "time_major_mlp"])
+                                  "dense_ragged", "time_major_stack", "time_major_mlp"])
 def test_fit_clips_exact_per_example_gradients(name):
   """One noiseless DPSGD step in `fit` equals lr · mean of clipped single-example gradients."""
   model, x, y = _build(name)

@@ -216,7 +216,8 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if (op.type != "MatMul" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("transpose_a") or (trace.batch_axis(op.inputs[0]) != 0
-                                        and trace.merged_rows(op.inputs[0]) is None)):
+                                        and trace.merged_rows(op.inputs[0]) is None
+                                        and trace.ragged_rows(op.inputs[0]) is None)):
     return None
   return "matmul"
 
@@ -251,11 +252,14 @@ def _zero_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
 
 def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
   """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose); time-major rows
-  (`trace.merged_rows`) regrouped by example."""
+  (`trace.merged_rows`) regrouped by example, a ragged argument's rows padded per microbatch."""
   # Widths from the kernel: Keras 3 reshapes a (B, T, K) input to a static (None, None).
   fan_in, fan_out = var.shape[::-1] if op.get_attr("transpose_b") else var.shape
   a = op.inputs[0]
-  sizes = None if trace.batch_axis(a) == 0 else trace.merged_rows(a)
+  splits = trace.ragged_rows(a)
+  sizes = None if trace.batch_axis(a) == 0 or splits else trace.merged_rows(a)
+  if splits:
+    a, grad = _padded(a, splits, m), _padded(grad, splits, m)
   if sizes is not None:
     a, grad = _unmerged(a, sizes, fan_in), _unmerged(grad, sizes, fan_out)
   a = _rows(a, m, fan_in, var.dtype)
@@ -268,6 +272,8 @@ def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if op.type != "BiasAdd" or not trace.same(op.inputs[1], var_input):
     return None
   axis, rank = trace.batch_axis(op.inputs[0]), op.inputs[0].shape.rank
+  if trace.ragged_rows(op.inputs[0]) is not None and op.get_attr("data_format") != b"NCHW":
+    return "bias_add"  # A ragged argument's rows (N, ..., C): the bias on the last axis.
   if axis is None or (axis != 0 and (op.get_attr("data_format") == b"NCHW" or rank is None
                                      or axis == rank - 1)):  # Not the bias's own axis.
     return None
@@ -276,8 +282,12 @@ def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 
 def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
                      var: tf.Variable) -> F.Factor:
-  """BiasAdd: g = Σ_t dz_t (examples on any axis of channels-last data)."""
-  if op.get_attr("data_format") == b"NCHW":
+  """BiasAdd: g = Σ_t dz_t (examples on any axis of channels-last data, or a ragged argument's
+  rows padded per microbatch)."""
+  splits = trace.ragged_rows(op.inputs[0])
+  if splits:
+    grad = _padded(grad, splits, m)
+  elif op.get_attr("data_format") == b"NCHW":
     grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
   else:
     grad = _examples_first(grad, trace.batch_axis(op.inputs[0]))
