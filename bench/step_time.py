@@ -1,4 +1,4 @@
-"""Step time of seven models under each optimizer, as ratios to the non-private step.
+"""Step time of eight models under each optimizer, as ratios to the non-private step.
 
 Models (synthetic data, no downloads; Adam as the base optimizer, one example per microbatch):
 
@@ -6,6 +6,7 @@ Models (synthetic data, no downloads; Adam as the base optimizer, one example pe
   dense 1024, dense 10; 3.27M parameters) on MNIST-shaped inputs, batch 128;
 * `mlp`: Dense only (784 → 1000 → 10, as issue 16 states it), batch 256;
 * `text`: Embedding(10000, 64) over 64 token ids → GlobalAveragePooling1D → Dense(2), batch 256;
+* `text_ragged`: the same on ragged ids, 1 to 64 a row (no padding), a ragged mean, batch 256;
 * `transformer`: Embedding(8000, 128) over 64 token ids, 2 encoder blocks (MultiHeadAttention with
   4 heads of key_dim 32, residual, LayerNormalization, FFN 256 → 128, residual,
   LayerNormalization), mean pool, Dense(2), batch 64 (issue 16);
@@ -86,6 +87,18 @@ def _text_layers() -> list:
           L.Dense(2)]
 
 
+def _text_ragged_layers() -> list:
+  return [L.Input((None,), ragged=True, dtype="int32"), L.Embedding(10000, 64),
+          L.Lambda(lambda t: tf.reduce_mean(t, axis=1)), L.Dense(2)]
+
+
+def _ragged_ids(rng: np.random.Generator, b: int) -> tuple[tf.RaggedTensor, np.ndarray]:
+  """b examples of 1 to 64 token ids (a bag of words without padding), and their labels."""
+  lengths = rng.integers(1, 65, b)
+  ids = rng.integers(0, 10000, lengths.sum()).astype(np.int32)
+  return tf.RaggedTensor.from_row_lengths(ids, lengths), rng.integers(0, 2, b)
+
+
 class _EncoderBlock(L.Layer):
   """A post-norm Transformer encoder block, so that the bench's models stay `Sequential`."""
 
@@ -159,6 +172,8 @@ WORKLOADS = {
     "text": Workload("Embedding text model", _text_layers,
                      lambda rng, b: (rng.integers(0, 10000, (b, 64), np.int32),
                                      rng.integers(0, 2, b)), 256),
+    "text_ragged": Workload("Embedding text model on ragged ids (1-64 a row)",
+                            _text_ragged_layers, _ragged_ids, 256),
     "transformer": Workload("small Transformer encoder", _transformer_layers,
                             lambda rng, b: (rng.integers(0, 8000, (b, 64), np.int32),
                                             rng.integers(0, 2, b)), 64),
