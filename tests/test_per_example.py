@@ -256,10 +256,12 @@ def test_chunked_materialization_equals_full():
     np.testing.assert_allclose(s, np.sum(np.reshape(f, [B, -1]) ** 2, axis=1), rtol=1e-5)
 
 
-def test_ragged_ids_in_fit_take_their_rules_and_step_exactly():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_ragged_ids_in_fit_take_their_rules_and_step_exactly(jit_compile):
   """An Embedding on ragged ids (one example without any), a sum over the ragged axis and a Dense
   head, fit from a dataset: Keras 3 passes the ragged components as the step's arguments, Keras 2
-  decodes them from the iterator inside the step. Both take the rules, and the noiseless step is
+  decodes them from the iterator inside the step. Both take the rules (under XLA, which compiles
+  no padding to a run-time length, the embedding keeps the fallback), and the noiseless step is
   lr · the mean of the clipped single-example gradients."""
   tf.keras.utils.set_random_seed(0)
   ids = tf.ragged.constant([[1], [4, 0, 4], [], [2, 2]], dtype=tf.int32)
@@ -278,9 +280,10 @@ def test_ragged_ids_in_fit_take_their_rules_and_step_exactly():
   want = [w - np.mean([g[v] * min(1.0, clip / n) for g, n in zip(per_example, norms)], axis=0)
           for v, w in enumerate(model.get_weights())]
   model.compile(optimizer=tfdp_variants.DPSGD(clip, 0.0, learning_rate=1.0),
-                loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+                loss=tf.keras.losses.MeanSquaredError(reduction="none"), jit_compile=jit_compile)
   model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(4), epochs=1, verbose=0)
-  assert model.optimizer.per_example_rules == ("gather", "outer", "rowsum")
+  assert model.optimizer.per_example_rules == (
+      "fallback" if jit_compile else "gather", "outer", "rowsum")
   assert min(norms) > clip  # The clip binds for every example, the empty one included.
   for got, w, v in zip(model.get_weights(), want, model.trainable_variables):
     np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)

@@ -26,6 +26,7 @@ from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import loop_rules
 from tfdp_variants.per_example import trace
+from tfdp_variants.xla import in_xla
 
 
 def _rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
@@ -33,9 +34,15 @@ def _rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
   return tf.reshape(tf.cast(t, dtype), [m, -1, width])
 
 
+def _ragged_rows(t: tf.Tensor) -> Optional[list[tf.Tensor]]:
+  """`trace.ragged_rows(t)`, except under XLA, which compiles no padding to a length known only at
+  run time (RaggedTensorToTensor): there the variable keeps the exact fallback."""
+  return None if in_xla(t.graph) else trace.ragged_rows(t)
+
+
 def _padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor) -> tf.Tensor:
   """Rows (N, ...) of a ragged argument's flat values, which `splits` (outermost first) partition
-  into examples (`trace.ragged_rows`), as (M, R, ...): each microbatch's rows, then zero rows up to
+  into examples (`_ragged_rows`), as (M, R, ...): each microbatch's rows, then zero rows up to
   the longest one's (a zero row adds nothing to a gradient; its id 0 reads a row it does not
   change)."""
   bounds = splits[0]  # Example m's rows are [bounds[m], bounds[m + 1]) of the innermost.
@@ -217,7 +224,7 @@ def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if (op.type != "MatMul" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input)
       or op.get_attr("transpose_a") or (trace.batch_axis(op.inputs[0]) != 0
                                         and trace.merged_rows(op.inputs[0]) is None
-                                        and trace.ragged_rows(op.inputs[0]) is None)):
+                                        and _ragged_rows(op.inputs[0]) is None)):
     return None
   return "matmul"
 
@@ -256,7 +263,7 @@ def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Vari
   # Widths from the kernel: Keras 3 reshapes a (B, T, K) input to a static (None, None).
   fan_in, fan_out = var.shape[::-1] if op.get_attr("transpose_b") else var.shape
   a = op.inputs[0]
-  splits = trace.ragged_rows(a)
+  splits = _ragged_rows(a)
   sizes = None if trace.batch_axis(a) == 0 or splits else trace.merged_rows(a)
   if splits:
     a, grad = _padded(a, splits, m), _padded(grad, splits, m)
@@ -272,7 +279,7 @@ def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   if op.type != "BiasAdd" or not trace.same(op.inputs[1], var_input):
     return None
   axis, rank = trace.batch_axis(op.inputs[0]), op.inputs[0].shape.rank
-  if trace.ragged_rows(op.inputs[0]) is not None and op.get_attr("data_format") != b"NCHW":
+  if _ragged_rows(op.inputs[0]) is not None and op.get_attr("data_format") != b"NCHW":
     return "bias_add"  # A ragged argument's rows (N, ..., C): the bias on the last axis.
   if axis is None or (axis != 0 and (op.get_attr("data_format") == b"NCHW" or rank is None
                                      or axis == rank - 1)):  # Not the bias's own axis.
@@ -284,7 +291,7 @@ def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
                      var: tf.Variable) -> F.Factor:
   """BiasAdd: g = Σ_t dz_t (examples on any axis of channels-last data, or a ragged argument's
   rows padded per microbatch)."""
-  splits = trace.ragged_rows(op.inputs[0])
+  splits = _ragged_rows(op.inputs[0])
   if splits:
     grad = _padded(grad, splits, m)
   elif op.get_attr("data_format") == b"NCHW":
@@ -306,7 +313,7 @@ def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 def _ids_batched(ids: tf.Tensor) -> bool:
   """Whether an embedding's ids have their examples on a proven axis, or are a ragged argument's
   rows with its splits."""
-  return trace.batch_axis(ids) is not None or trace.ragged_rows(ids) is not None
+  return trace.batch_axis(ids) is not None or _ragged_rows(ids) is not None
 
 
 def _whole_read(t: tf.Tensor) -> bool:
@@ -335,7 +342,7 @@ def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Vari
   per id; the ids' examples on any axis (the output's examples on the same), or the ids a ragged
   argument's rows, padded per microbatch."""
   width = math.prod(var.shape[1:])
-  splits = trace.ragged_rows(op.inputs[1])
+  splits = _ragged_rows(op.inputs[1])
   if splits is not None:
     return F.Gather(tf.reshape(_padded(op.inputs[1], splits, m), [m, -1]),
                     _rows(_padded(grad, splits, m), m, width, var.dtype), tuple(var.shape))
