@@ -40,16 +40,25 @@ def _ragged_rows(t: tf.Tensor) -> Optional[list[tf.Tensor]]:
   return None if in_xla(t.graph) else trace.ragged_rows(t)
 
 
-def _padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor) -> tf.Tensor:
+def _padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor, ids: bool = False) -> tf.Tensor:
   """Rows (N, ...) of a ragged argument's flat values, which `splits` (outermost first) partition
-  into examples (`_ragged_rows`), as (M, R, ...): each microbatch's rows, then zero rows up to
-  the longest one's (a zero row adds nothing to a gradient; its id 0 reads a row it does not
-  change)."""
+  into examples (`_ragged_rows`), as (M, R, ...): each microbatch's rows, then padding up to the
+  longest one's. Padding rows of gradients (and activations) are zeros, which add nothing; with
+  `ids`, those of ids repeat the microbatch's first id (0 if it has none), so that a padding row
+  merges with a row the microbatch already holds: ids 0 in every microbatch would pair each with
+  every other in a Gram matrix by shared ids (`F._gram_by_shared_ids`), M² pairs of zeros."""
   bounds = splits[0]  # Example m's rows are [bounds[m], bounds[m + 1]) of the innermost.
   for inner in splits[1:]:
     bounds = tf.gather(inner, bounds)
   per = tf.maximum((tf.size(bounds, bounds.dtype) - 1) // tf.cast(m, bounds.dtype), 1)
-  return tf.RaggedTensor.from_row_splits(t, bounds[::per], validate=False).to_tensor()
+  rows = tf.RaggedTensor.from_row_splits(t, bounds[::per], validate=False)
+  padded = rows.to_tensor()
+  if not ids:
+    return padded
+  held = tf.sequence_mask(rows.row_lengths(), tf.shape(padded, out_type=bounds.dtype)[1])
+  trailing = tf.ones([padded.shape.rank - 2], tf.int32)  # Ids of several per row (N, U).
+  held = tf.reshape(held, tf.concat([tf.shape(held), trailing], 0))
+  return tf.where(held, padded, padded[:, :1])
 
 
 def _examples_first(t: tf.Tensor, axis: int) -> tf.Tensor:
@@ -344,7 +353,7 @@ def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Vari
   width = math.prod(var.shape[1:])
   splits = _ragged_rows(op.inputs[1])
   if splits is not None:
-    return F.Gather(tf.reshape(_padded(op.inputs[1], splits, m), [m, -1]),
+    return F.Gather(tf.reshape(_padded(op.inputs[1], splits, m, ids=True), [m, -1]),
                     _rows(_padded(grad, splits, m), m, width, var.dtype), tuple(var.shape))
   axis = trace.batch_axis(op.inputs[1])
   return F.Gather(tf.reshape(_examples_first(op.inputs[1], axis), [m, -1]),
