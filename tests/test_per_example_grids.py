@@ -148,6 +148,20 @@ class RaggedDense(tf.keras.Model):
     return self.out(tf.reduce_sum(tf.ragged.map_flat_values(self.rows, x), axis=1))
 
 
+class RaggedOverTotal(tf.keras.Model):
+  """Divides each embedded row by the batch's total number of ids (the flat values' row count),
+  then sums each example's rows: each example's output depends on the others' lengths."""
+
+  def __init__(self):
+    super().__init__()
+    self.embed, self.out = L.Embedding(7, 3), L.Dense(2)
+
+  def call(self, x):
+    h = self.embed(x)
+    total = tf.cast(tf.shape(h.flat_values)[0], h.dtype)
+    return self.out(tf.reduce_sum(h.with_flat_values(h.flat_values / total), axis=1))
+
+
 _EMPTY_ROWS = [[1], [4, 0, 4], [], [2, 2]]  # An example with no ids (TF Privacy's grid has them).
 
 
@@ -314,3 +328,12 @@ def test_ragged_ids_pad_with_an_id_of_their_microbatch():
       [3, 5, 3], [0, 0, 0], [5, 2, 7], [4, 4, 4]]
   rows = rules._padded(tf.ones([6, 2]), splits, 4).numpy()
   np.testing.assert_array_equal(rows.sum(axis=(1, 2)), [4, 0, 6, 2])
+
+
+def test_a_ragged_arguments_total_length_is_not_taken_for_a_constant():
+  """The row count of a ragged argument's values is the examples' total length: rows divided by
+  it are not proven per example, so the head after them takes no rule."""
+  model, x = RaggedOverTotal(), _ragged_ids()
+  model(x)
+  _, taken = engine_helpers.gradients_and_rules(model, x, _floats(B, 2))
+  assert taken == ["gather", "fallback", "fallback"]

@@ -521,6 +521,10 @@ def _row_count(splits: tf.Tensor) -> tf.Tensor:
   return tf.shape(splits)[0] - 1
 
 
+def _ragged_info(info: Info) -> bool:
+  return isinstance(info, Batch) and info.block[:1] == RAGGED
+
+
 def _tensor_named(graph: tf.Graph, name: str) -> Optional[tf.Tensor]:
   try:
     return graph.get_tensor_by_name(name)
@@ -534,8 +538,7 @@ def _ragged_reduction(op: tf.Operation, ins: list[Info]) -> Optional[Batch]:
   it): the rows of the splits outside them, or the examples. Both segment inputs must be those
   computations of the splits (`_computes`), not any ids: other segments would mix examples."""
   data = ins[0]
-  if not (isinstance(data, Batch) and data.axis == 0 and data.block[:1] == RAGGED
-          and len(data.block) > 1):
+  if not (_ragged_info(data) and data.axis == 0 and len(data.block) > 1):
     return None
   splits = _tensor_named(op.graph, data.block[-1])
   if splits is None or not (_computes(op.inputs[1], _row_ids, splits)
@@ -776,8 +779,11 @@ _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D
                          "BatchToSpaceND", "MatMul", "FusedBatchNorm", "FusedBatchNormV2",
                          "FusedBatchNormV3", "GatherV2", "ResourceGather", *_REDUCTIONS})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
-_NO_BATCH_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "Const", "VarHandleOp",
-                           "TensorListLength", "TensorListElementShape"})
+_NO_BATCH_OPS = frozenset({"Rank", "Const", "VarHandleOp", "TensorListLength",
+                           "TensorListElementShape"})
+# Sizes, which depend on no example's values, except a ragged argument's rows: their count is the
+# examples' total length (other examples' lengths would reach each example's loss through it).
+_SIZES = frozenset({"Shape", "ShapeN", "Size"})
 # The ops through which a step's data enters a graph (the one list the package keeps).
 DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
                           "MultiDeviceIteratorGetNextFromShard"})
@@ -1047,6 +1053,12 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
       memo[values.name] = Batch(0, (*RAGGED, *(s.name for s in splits)))
     elif op.type == "Const" and _rows_of(x, constants):
       memo[x.name] = _DATA
+    elif op.type in _SIZES and any(i.name not in memo for i in op.inputs):
+      stack.extend(i for i in op.inputs if i.name not in memo)
+      continue
+    elif op.type in _SIZES:  # A ragged argument's row count is the examples' total length.
+      ragged = any(_ragged_info(memo[i.name]) for i in op.inputs)
+      memo.update({out.name: None if ragged else NO_BATCH for out in op.outputs})
     elif op.type in _NO_BATCH_OPS or x.dtype == tf.resource:
       memo[x.name] = NO_BATCH
     else:
@@ -1072,12 +1084,13 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
       elif op.type in _SEGMENT_REDUCTIONS and (
           reduced := _ragged_reduction(op, ins)) is not None:
         outs = [reduced]
+      elif fill is not None and fill[1] is None and ins[1] == NO_BATCH and _batched(
+          memo[fill[0].name]):  # Before the unknowns: a ragged argument's shape is unknown.
+        outs = [memo[fill[0].name]]
       elif any(i is None for i in ins):
         outs = [None] * len(op.outputs)
       elif op.type in CALLS:
         outs = _call_outputs(op, ins, memo)
-      elif fill is not None and fill[1] is None and _batched(memo[fill[0].name]):
-        outs = [memo[fill[0].name]]
       elif fill is not None and memo[fill[0].name] == Batch(fill[1]):
         outs = [Batch(fill[2])]
       elif all(i.axis is None for i in ins):
@@ -1122,7 +1135,7 @@ def ragged_rows(t: tf.Tensor) -> Optional[list[tf.Tensor]]:
   on ragged data): the row splits that partition them into examples, outermost first; None
   otherwise."""
   info = batch_info(t)
-  if not (isinstance(info, Batch) and info.axis == 0 and info.block[:1] == RAGGED):
+  if not (_ragged_info(info) and info.axis == 0):
     return None
   splits = [_tensor_named(t.graph, name) for name in info.block[1:]]
   return None if any(s is None for s in splits) else splits
