@@ -328,6 +328,8 @@ def test_ragged_ids_pad_with_an_id_of_their_microbatch():
       [3, 5, 3], [0, 0, 0], [5, 2, 7], [4, 4, 4]]
   rows = rules._padded(tf.ones([6, 2]), splits, 4).numpy()
   np.testing.assert_array_equal(rows.sum(axis=(1, 2)), [4, 0, 6, 2])
+  empty = [tf.constant([0], tf.int64)]  # A Poisson batch of no examples: m = 0.
+  assert rules._padded(tf.zeros([0], tf.int32), empty, 0, ids=True).shape[0] == 0
 
 
 def test_a_ragged_arguments_total_length_is_not_taken_for_a_constant():

@@ -50,7 +50,9 @@ def _padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor, ids: bool = Fal
   bounds = splits[0]  # Example m's rows are [bounds[m], bounds[m + 1]) of the innermost.
   for inner in splits[1:]:
     bounds = tf.gather(inner, bounds)
-  per = tf.maximum((tf.size(bounds, bounds.dtype) - 1) // tf.cast(m, bounds.dtype), 1)
+  # Examples per microbatch; a Poisson batch of no examples (m = 0) has no rows to group.
+  per = tf.maximum((tf.size(bounds, bounds.dtype) - 1)
+                   // tf.maximum(tf.cast(m, bounds.dtype), 1), 1)
   rows = tf.RaggedTensor.from_row_splits(t, bounds[::per], validate=False)
   padded = rows.to_tensor()
   if not ids:
