@@ -312,3 +312,38 @@ def test_backward_loop_skips_only_gradients_no_x_needs(kernel_from_x):
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+
+
+def test_probe_list_gradient_starts_as_an_empty_list():
+  """The engine's backward pass starts the gradient of the loop's unread probe list as an empty
+  list (`recurrence.lists_read_whole`), not as T zero tensors (a ZerosLike of the list): the
+  per-example gradients equal single-example tapes', and tf.gradients outside the engine keeps
+  its zeros."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([L.Input((T, D)), L.LSTM(H), L.Dense(2)])
+  recurrence.enable(model)
+  x, y = _x(), tf.random.stateless_normal([B, 2], seed=[5, 6])
+
+  @tf.function
+  def run(x, y):
+    loss = engine_helpers.mse(y, model(x, training=True))
+    return per_example.compute(loss, model.trainable_variables, self_check=False).materialize()
+
+  def probe_zeros(graph):
+    return [op for op in graph.get_operations() if op.type == "ZerosLike"
+            and op.inputs[0].op.type in ("While", "StatelessWhile")
+            and op.inputs[0].op.inputs[op.inputs[0].value_index].op.type
+            == "TensorListFromTensor"]
+
+  got = run(x, y)
+  graph = run.get_concrete_function(x, y).graph
+  assert not probe_zeros(graph)
+  assert any(op.type == "TensorListReserve" and op.name.startswith("gradients")
+             for op in graph.get_operations())
+  plain = tf.function(lambda x: tf.gradients(tf.reduce_sum(model(x)), model.trainable_variables))
+  assert probe_zeros(plain.get_concrete_function(x).graph)
+  for i in range(B):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(engine_helpers.mse(y[i:i + 1], model(x[i:i + 1], training=True)))
+    for g, w in zip(got, tape.gradient(loss, model.trainable_variables)):
+      np.testing.assert_allclose(g[i], w, rtol=1e-5, atol=1e-6)

@@ -141,7 +141,8 @@ def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set,
     for op in loops:
       op.skip_input_indices = [i for i, t in enumerate(op.inputs)
                                if t.op not in reached and t.name not in names]
-    return tf.gradients(y, xs, grad_ys=seed)
+    with recurrence.lists_read_whole():
+      return tf.gradients(y, xs, grad_ys=seed)
   finally:
     for op in loops:
       del op.skip_input_indices

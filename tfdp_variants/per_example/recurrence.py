@@ -22,12 +22,21 @@ whole kernel may round differently from Keras' four by a quarter of it each (flo
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
+# No public API gives a loop's unread list output another initial gradient than zeros.
+from tensorflow.python.ops import control_flow_state
+
+from tfdp_variants.xla import in_xla
 
 _ENABLED: "weakref.WeakSet" = weakref.WeakSet()
+# Per graph, the names (and element dtypes) of the lists `_loop` reads every row of, once.
+_READ_WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_EMPTY_LISTS = threading.local()  # `lists_read_whole` is on in this thread.
 
 
 def enable(model) -> None:
@@ -94,6 +103,8 @@ def _loop(probes: list[tf.Tensor], states: list[tf.Tensor], kernels: list, cell:
   lists = lambda: tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   probes = [rows(p) for p in probes]
   sequence = None if sequence is None else rows(sequence)
+  read_whole = _READ_WHOLE.setdefault(tf.compat.v1.get_default_graph(), {})
+  read_whole.update({x.flow.name: x.dtype for x in [*probes, sequence] if x is not None})
   mask = None if mask is None else rows(mask)
   # Each product's own U (a kernel used twice enters twice): one use per loop input.
   kernels = [tf.convert_to_tensor(k) for k in kernels]
@@ -129,6 +140,45 @@ def _loop(probes: list[tf.Tensor], states: list[tf.Tensor], kernels: list, cell:
        *states),
       maximum_iterations=steps)
   return last, _time_major(outputs.stack()), states
+
+
+@contextlib.contextmanager
+def lists_read_whole() -> Iterator[None]:
+  """Within it, `tf.gradients` starts the gradient of a loop's unread output of a list that
+  `_loop` reads (a probe, the sequence) as an empty list of its length, not T zero tensors.
+
+  `tf.gradients` gives a loop output the loss does not read ZerosLike as its gradient
+  (`control_flow_state.ZerosLike`); for the (T, B, 4H) probe list, T zero tensors that each
+  step's row gradient is then added to (4.1 ms of CPU of the LSTM's 45.6 ms DP step, BUILD_NOTES
+  "Seventeenth pass"). `_loop` reads each row once, at every step, whatever the data, so each
+  step's `TensorListSetItem` writes its row into the empty list and the stacked gradient is the
+  same. Not under XLA, which needs a list's elements up front. Other threads (the replicas of
+  a tf.distribute strategy trace in threads) and other lists keep tf.gradients' zeros."""
+  if not getattr(control_flow_state.ZerosLike, "empty_lists", False):
+    control_flow_state.ZerosLike = _empty_or_zeros(control_flow_state.ZerosLike)
+  before = getattr(_EMPTY_LISTS, "on", False)
+  _EMPTY_LISTS.on = True
+  try:
+    yield
+  finally:
+    _EMPTY_LISTS.on = before
+
+
+def _empty_or_zeros(zeros_like: Callable) -> Callable:
+  """`control_flow_state.ZerosLike(op, index)`, or an empty list within `lists_read_whole`."""
+
+  def empty_or_zeros(op: tf.Operation, index: int) -> tf.Tensor:
+    listed = op.inputs[index] if op.type in ("While", "StatelessWhile") else None
+    dtype = None if listed is None else _READ_WHOLE.get(op.graph, {}).get(listed.name)
+    if dtype is None or not getattr(_EMPTY_LISTS, "on", False) or in_xla(op.graph):
+      return zeros_like(op, index)
+    out = op.outputs[index]
+    return tf.raw_ops.TensorListReserve(
+        element_shape=tf.raw_ops.TensorListElementShape(input_handle=out, shape_type=tf.int32),
+        num_elements=tf.raw_ops.TensorListLength(input_handle=out), element_dtype=dtype)
+
+  empty_or_zeros.empty_lists = True
+  return empty_or_zeros
 
 
 def _gate_projections(x: tf.Tensor, kernel, bias, gates: int,
