@@ -103,8 +103,8 @@ def _loop(probes: list[tf.Tensor], states: list[tf.Tensor], kernels: list, cell:
   lists = lambda: tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   probes = [rows(p) for p in probes]
   sequence = None if sequence is None else rows(sequence)
-  read_whole = _READ_WHOLE.setdefault(tf.compat.v1.get_default_graph(), {})
-  read_whole.update({x.flow.name: x.dtype for x in [*probes, sequence] if x is not None})
+  _READ_WHOLE.setdefault(tf.compat.v1.get_default_graph(), {}).update(
+      {x.flow.name: x.dtype for x in [*probes, sequence] if x is not None})
   mask = None if mask is None else rows(mask)
   # Each product's own U (a kernel used twice enters twice): one use per loop input.
   kernels = [tf.convert_to_tensor(k) for k in kernels]
