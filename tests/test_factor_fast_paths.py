@@ -183,6 +183,46 @@ def test_gather_gram_equals_dense_reference(ids, mode, monkeypatch):
   np.testing.assert_allclose(run().numpy(), want, rtol=1e-12, atol=1e-12)
 
 
+def _compiled_calls(graph) -> int:
+  """How many calls of `graph` XLA compiles (`_XlaMustCompile`)."""
+  calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+  return sum(1 for op in calls if op.node_def.attr["_XlaMustCompile"].b)
+
+
+@pytest.mark.parametrize("ids", sorted(_IDS))
+@pytest.mark.parametrize("mode", ["eager", "static", "unknown", "xla"])
+def test_gather_norms_and_sum_in_one_xla_call_or_tf_ops(ids, mode):
+  """An embedding's norms and weighted sum run as one XLA call each in a traced CPU step of static
+  shapes ("static"), as TF ops elsewhere (eagerly, shapes known only at run time, inside a
+  compiled step): every way equal to NumPy's, with a masked row that holds inf adding nothing."""
+  ids = _IDS[ids]
+  rng = np.random.default_rng(5)
+  d = rng.normal(size=(6, 5, 3)).astype(np.float32)
+  d[1, 2, 0] = np.inf
+  keep = np.array([True, False, True, True, False, True])
+  w = rng.uniform(size=6).astype(np.float32)
+  g = np.zeros((6, 60, 3))
+  for m in np.flatnonzero(keep):
+    np.add.at(g[m], ids[m], d[m].astype(np.float64))
+
+  def both(i, x, k, weights):
+    gather = F.Gather(i, x, (60, 3), k)
+    return gather.squared_norms(), gather.weighted_sum(weights)
+
+  args = (tf.constant(ids, tf.int32), tf.constant(d), tf.constant(keep), tf.constant(w))
+  unknown = [tf.TensorSpec([None, *a.shape[1:]], a.dtype) for a in args]  # The batch's size.
+  run = {"eager": both, "static": tf.function(both),
+         "unknown": tf.function(both, input_signature=unknown),
+         "xla": tf.function(both, jit_compile=True)}[mode]
+  norms, total = run(*args)
+  np.testing.assert_allclose(norms.numpy(), (g ** 2).sum(axis=(1, 2)), rtol=1e-5)
+  np.testing.assert_allclose(total.numpy(), np.einsum("m,mvo->vo", w, g), rtol=1e-5, atol=1e-6)
+  if mode != "eager":
+    calls = _compiled_calls(run.get_concrete_function(*args).graph)
+    assert calls == (2 if mode == "static" else 0)
+
+
+
 def test_batch_axis_through_new_axes_and_computed_tile_multiples():
   """The batch-axis analysis follows slices that add axes (`x[:, None]`, Keras 2's attention mask)
   and Tiles whose multiple on the batch axis is 1 while another is computed (`keras.ops.repeat`);

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Protocol, Union
 
 import tensorflow as tf
 
-from tfdp_variants.xla import in_xla
+from tfdp_variants.xla import compiled_on_cpu, in_xla
 
 # Materialize an `Outer` factor for norms only while one example's gradient is this small and
 # materializing costs fewer flops than the Gram ("ghost") form.
@@ -561,6 +561,24 @@ def _gram_by_shared_ids(ids: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   return tf.reshape(total, [m, m])
 
 
+# TF's CPU kernels against one XLA call for a `Gather` of 256 rows of 64 ids, 64 wide, into 10,000:
+# the norms 2.4 against 1.4 ms, the weighted sum 2.8 against 1.0 (XLA fuses the masks, scales and
+# products; TF's segment sum adds one row at a time).
+@compiled_on_cpu
+def _gather_squared_norms(ids: tf.Tensor, d: tf.Tensor, keep: Optional[tf.Tensor]) -> tf.Tensor:
+  """‖g_m‖² of a `Gather`: Σ_{t,s: ids equal} d_t·d_s, the ghost norm over the shared ids."""
+  same_row = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), d.dtype)
+  return _ghost(same_row, tf.ones([], tf.float64), _rows(d, keep))
+
+
+@compiled_on_cpu
+def _gather_weighted_sum(ids: tf.Tensor, d: tf.Tensor, w: tf.Tensor, keep: Optional[tf.Tensor],
+                         shape: tuple[int, ...]) -> tf.Tensor:
+  """Σ_m w_m g_m of a `Gather`: its rows weighted, added into their table rows."""
+  rows = tf.reshape(_weighted_rows(d, w, keep), [-1, d.shape[-1]])
+  return tf.reshape(tf.math.unsorted_segment_sum(rows, tf.reshape(ids, [-1]), shape[0]), shape)
+
+
 @dataclasses.dataclass
 class Gather:
   """g_m = Σ_t onehot(I[m,t]) ⊗ D[m,t]; I: (M, T) row ids, D: (M, T, O), table (V, ...) of O
@@ -579,8 +597,7 @@ class Gather:
 
   def squared_norms(self, exact: bool = True) -> tf.Tensor:
     del exact  # Rows scaled by their largest entry: exact in any case.
-    same_row = tf.cast(tf.equal(self.ids[:, :, None], self.ids[:, None, :]), self.d.dtype)
-    return _ghost(same_row, tf.ones([], tf.float64), self._rows_d())
+    return _gather_squared_norms(self.ids, self.d, self.keep)
 
   def _rows_d(self) -> tf.Tensor:
     return _rows(self.d, self.keep)
@@ -591,9 +608,7 @@ class Gather:
     return Gather(self.ids, self.d, self.shape, keep)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    rows = tf.reshape(_weighted_rows(self.d, w, self.keep), [-1, self._width])
-    return tf.reshape(
-        tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.shape[0]), self.shape)
+    return _gather_weighted_sum(self.ids, self.d, w, self.keep, self.shape)
 
   def gram(self) -> tf.Tensor:
     """⟨g_m, g_n⟩ = Σ over table rows v of ⟨G_mv, G_nv⟩, G_mv the sum of m's rows with id v."""
