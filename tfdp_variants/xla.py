@@ -2,7 +2,8 @@
 
 Code that must differ under XLA asks here: XLA drops assertions, compiles no dynamic shapes, fuses
 ops TF would run apart, and has its own kernels, some of them slower on CPU (its sine and cosine:
-10.3 against 2.2 ms for 1.6M values here).
+10.3 against 2.2 ms for 1.6M values here), some faster (a segment sum of 16,384 rows: 1.0 against
+2.8 ms): `compiled_on_cpu` runs such a piece as one XLA call inside a step TF runs.
 """
 
 import functools
