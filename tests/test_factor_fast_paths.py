@@ -194,7 +194,8 @@ def _compiled_calls(graph) -> int:
 def test_gather_norms_and_sum_in_one_xla_call_or_tf_ops(ids, mode):
   """An embedding's norms and weighted sum run as one XLA call each in a traced CPU step of static
   shapes ("static"), as TF ops elsewhere (eagerly, shapes known only at run time, inside a
-  compiled step): every way equal to NumPy's, with a masked row that holds inf adding nothing."""
+  compiled step): every way equal to NumPy's, with a masked row that holds inf adding nothing;
+  kept rows that hold inf or NaN have norm +inf (never NaN) and add nothing at weight 0."""
   ids = _IDS[ids]
   rng = np.random.default_rng(5)
   d = rng.normal(size=(6, 5, 3)).astype(np.float32)
@@ -220,7 +221,13 @@ def test_gather_norms_and_sum_in_one_xla_call_or_tf_ops(ids, mode):
   if mode != "eager":
     calls = _compiled_calls(run.get_concrete_function(*args).graph)
     assert calls == (2 if mode == "static" else 0)
-
+  d[4, 0, 1] = np.nan
+  zero_for_inf = np.where(keep, w, 0).astype(np.float32)  # A clip's weight for norm +inf.
+  norms, total = run(args[0], tf.constant(d), tf.ones([6], tf.bool), tf.constant(zero_for_inf))
+  assert np.all(np.isposinf(norms.numpy()[~keep]))
+  np.testing.assert_allclose(norms.numpy()[keep], (g ** 2).sum(axis=(1, 2))[keep], rtol=1e-5)
+  np.testing.assert_allclose(total.numpy(), np.einsum("m,mvo->vo", zero_for_inf, g), rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_batch_axis_through_new_axes_and_computed_tile_multiples():
