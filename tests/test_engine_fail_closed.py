@@ -400,3 +400,51 @@ def _ancestors(t: tf.Tensor) -> set:
       seen.add(op)
       stack.extend([i.op for i in op.inputs] + list(op.control_inputs))
   return seen
+
+
+_ONE_EXAMPLE_MODELS = {  # Each reshapes away a batch axis of static size 1, or normalizes on it.
+    "dense_flatten": lambda: [L.Input((5, 4)), L.Dense(4), L.Flatten(), L.Dense(2)],
+    "layer_norm_conv": lambda: [L.Input((5, 4)), L.LayerNormalization(), L.Conv1D(3, 2),
+                                L.Flatten(), L.Dense(2)],
+    "lstm": lambda: [L.Input((5, 4)), L.LSTM(3), L.Dense(2)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ONE_EXAMPLE_MODELS))
+def test_a_batch_of_one_example_trains_on_its_own_gradient(name):
+  """`batch_size=1` traces a step of static batch 1, where a reshape loses the batch axis (the
+  analysis once refused such steps as mixing): its gradient is its one per-example gradient."""
+  rng = np.random.default_rng(1)
+  x, y = rng.normal(size=(2, 5, 4)).astype("float32"), rng.normal(size=(2, 2)).astype("float32")
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential(_ONE_EXAMPLE_MODELS[name]())
+  want = [v.numpy() for v in model.trainable_variables]
+  for i in range(2):  # Two steps of one example each: clip, then SGD.
+    twin = tf.keras.Sequential(_ONE_EXAMPLE_MODELS[name]())
+    twin.set_weights(want)
+    with tf.GradientTape() as tape:
+      loss = _mse(y[i:i + 1], twin(x[i:i + 1], training=True))[0]
+    grads = tape.gradient(loss, twin.trainable_variables)
+    norm = tf.linalg.global_norm(grads).numpy()
+    assert norm > 0.01
+    want = [w - 0.5 * g.numpy() * min(1.0, 0.01 / norm) for w, g in zip(want, grads)]
+  optimizer = tfdp_variants.DPSGD(l2_norm_clip=0.01, noise_multiplier=0.0, learning_rate=0.5)
+  model.compile(optimizer=optimizer, loss=_LOSS)
+  model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+  for got, w in zip(model.trainable_variables, want):
+    np.testing.assert_allclose(got.numpy(), w, rtol=1e-4, atol=1e-6)
+  assert list(optimizer.per_example_rules) == ["one_example"] * len(want)
+
+
+def test_a_loss_of_one_row_over_a_batch_of_several_is_refused():
+  """A step of one example needs every input with one row: a loss reduced to one row over a
+  batch of 4 mixes the 4."""
+  model = _model()
+
+  @tf.function
+  def step(x, y):
+    loss = tf.reduce_mean(_mse(y, model(x)), keepdims=True)
+    return per_example.compute(loss, model.trainable_variables).materialize()
+
+  with pytest.raises(ValueError, match="examples are mixed.*reduces over the batch axis"):
+    step(tf.ones((4, 3)), tf.zeros((4, 2)))

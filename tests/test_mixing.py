@@ -175,13 +175,28 @@ class _SharpnessAware(tf.keras.Model):
     return {}
 
 
-def test_sharpness_aware_train_step_refused():
+@pytest.mark.parametrize("batch_size", [B, 1])
+def test_sharpness_aware_train_step_refused(batch_size):
+  """Refused with a batch of one example too: the perturbed weights carry it to the next step."""
   tf.keras.utils.set_random_seed(0)
   inputs = L.Input((3,))
   model = _SharpnessAware(inputs, L.Dense(2, name="head")(L.Dense(3)(inputs)), name="sam")
   model.compile(optimizer=_optimizer(), loss=_LOSS)
-  with pytest.raises(ValueError, match="examples are mixed.*writes a value mixing several examples"):
-    model.fit(*_data(), batch_size=B, epochs=1, verbose=0)
+  with pytest.raises(ValueError, match="examples are mixed.*writes a value"):
+    model.fit(*_data(), batch_size=batch_size, epochs=1, verbose=0)
+
+
+def test_stateful_rnn_refused_once_and_by_name():
+  """A stateful LSTM's state carries earlier batches into the loss: refused, the cause named once
+  (the state is written from its own read, which once nested the message at every hop)."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([L.Input((3, 2), batch_size=B), L.LSTM(2, stateful=True),
+                               L.Dense(2)])
+  model.compile(optimizer=_optimizer(), loss=_LOSS)
+  x = np.ones((B, 3, 2), "float32")
+  with pytest.raises(ValueError, match="across steps.*stateful RNN") as error:
+    model.fit(x, np.zeros((B, 2), "float32"), batch_size=B, epochs=1, verbose=0)
+  assert str(error.value).count("writes a value") == 1, str(error.value)
 
 
 class _FrozenBatchNorm(tf.keras.Model):

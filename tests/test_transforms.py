@@ -37,3 +37,14 @@ def test_flat_and_per_layer_clipped_sums():
   np.testing.assert_allclose(got[0], np.einsum("m,mij->ij", fw, gw), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(got[1], np.einsum("m,mi->i", fb, gb), rtol=1e-6, atol=1e-6)
 
+
+
+def test_clip_factors_take_a_python_clip_at_the_norms_precision():
+  """C = 0.05 given as a Python float divides float64 norms as the float64 0.05 (a cast through
+  float32 made every clipped step of a float64 model 2⁻²⁶ off)."""
+  norms = tf.constant([0.1, 0.03, 0.07], tf.float64)
+  np.testing.assert_array_equal(transforms.clip_factors(norms, 0.05).numpy(),
+                                [0.05 / 0.1, 1.0, 0.05 / 0.07])
+  np.testing.assert_array_equal(  # A tensor C keeps its own value.
+      transforms.clip_factors(norms, tf.constant(0.05, tf.float32)).numpy(),
+      [np.float64(np.float32(0.05)) / 0.1, 1.0, np.float64(np.float32(0.05)) / 0.07])

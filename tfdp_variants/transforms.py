@@ -21,7 +21,10 @@ def clip_factors(norms: tf.Tensor, l2_norm_clip: float | tf.Tensor) -> tf.Tensor
   Defined for a data-dependent C = 0 too (ICGC-DP's median, a quantile): then a nonzero g_m gets
   weight 0, and a zero g_m's weight does not matter.
   """
-  c = tf.cast(l2_norm_clip, norms.dtype)
+  # A Python C in float64 first: tf.cast would round it to float32 (0.05 by 1.5e-8) on the way.
+  c = tf.cast(l2_norm_clip if tf.is_tensor(l2_norm_clip) else tf.constant(l2_norm_clip,
+                                                                            tf.float64),
+              norms.dtype)
   return tf.where(norms <= c, tf.ones([], norms.dtype),
                   tf.where(norms > c, c / norms, tf.zeros([], norms.dtype)))
 

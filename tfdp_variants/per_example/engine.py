@@ -111,6 +111,26 @@ def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Opti
   return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m).finite_only()
 
 
+def _one_example(mb_losses: tf.Tensor, graph: tf.Graph, handles: list[Optional[tf.Tensor]],
+                 variables: list[tf.Variable]) -> list[F.Dense]:
+  """A step of one example (`trace.one_example`): its gradient is its per-example gradient, from
+  one ordinary backward pass (rule `one_example`). No rule's proof is needed, and none applies
+  there: a reshape that drops the batch axis of size 1 leaves no trace of where it was."""
+  read = [(v, h) for v, h in zip(variables, handles) if h is not None]
+  grads = iter(tf.gradients(mb_losses[0], [h for _, h in read]))
+  unread = iter(_unread(graph, tf.constant(1), [v for v, h in zip(variables, handles)
+                                                 if h is None]))
+  factors = []
+  for v, h in zip(variables, handles):
+    if h is None:
+      factors.append(next(unread))
+      continue
+    g = next(grads)
+    g = tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+    factors.append(F.Dense(tf.reshape(g, [1, *v.shape]), rule="one_example"))
+  return factors
+
+
 _LOOPS = ("While", "StatelessWhile")
 
 
@@ -190,6 +210,9 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   self_check_lib.refuse_in_loss(loss)
   graph = mb_losses.graph
   handles = [trace.captured_handle(graph, v) for v in variables]
+  if trace.one_example(loss):
+    return PerExampleGradients(variables, _one_example(mb_losses, graph, handles, variables),
+                               m).finite_only()
   forward = set(trace.ancestors(mb_losses))
   uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]

@@ -181,7 +181,8 @@ class OddFunction:
   square_radii: tuple[float, ...] = ()
 
   def __call__(self, x: tf.Tensor) -> tf.Tensor:
-    return self.gain * self.h(x / tf.cast(self.scale, x.dtype))
+    scale = self.scale if tf.is_tensor(self.scale) else tf.constant(self.scale, tf.float64)
+    return self.gain * self.h(x / tf.cast(scale, x.dtype))
 
   @property
   def square_coefficients(self) -> tuple[float, ...]:
@@ -765,17 +766,17 @@ class GroupedOuter:
 
 @dataclasses.dataclass
 class Dense:
-  """The materialized per-microbatch gradients G: (M, *shape) (the exact fallback)."""
+  """The materialized per-microbatch gradients G: (M, *shape): the exact fallback, or the one
+  example's gradient of a step of one example (rule `one_example`)."""
 
   g: tf.Tensor
-
-  rule = "fallback"
+  rule: str = "fallback"
 
   def squared_norms(self, exact: bool = True) -> tf.Tensor:
     return _sum_sq(self.g, exact)
 
   def masked(self, keep: tf.Tensor) -> "Dense":
-    return Dense(_rows(self.g, keep))
+    return dataclasses.replace(self, g=_rows(self.g, keep))
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
     return tf.tensordot(_weights(w, self.g), self.g, 1)

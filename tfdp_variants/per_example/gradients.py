@@ -57,7 +57,8 @@ class PerExampleGradients:
 
   @property
   def rules(self) -> list[str]:
-    """The rule each variable took: "outer", "rowsum", "gather" or "fallback"."""
+    """The rule each variable took: "outer", "rowsum", "gather", "grouped", "fallback", or
+    "one_example" (a step of one example: its own gradient)."""
     return [f.rule for f in self.factors]
 
   def squared_norms(self) -> list[tf.Tensor]:

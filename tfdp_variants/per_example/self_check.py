@@ -58,6 +58,9 @@ MIXING = ("examples are mixed by the model (e.g. BatchNormalization or a custom 
           "batch statistics): {}. The loss of one example then depends on the other examples of "
           "the batch, so per-example gradients, and the privacy guarantee with them, are "
           "undefined. Use LayerNormalization/GroupNormalization instead of batch statistics.")
+CARRIED = ("examples are mixed by the model across steps: {}. The loss then depends on examples "
+           "of earlier batches through that variable, which no per-example clipping bounds, so "
+           "the privacy guarantee would not hold.")
 MISMATCH = ("Per-example gradient self-check failed: on the first step, the per-microbatch "
             "gradients of the engine differ from exact ones (one tf.gradients per microbatch) for "
             "{}. This is a bug of the engine for the ops these variables feed: please report it "
@@ -114,9 +117,12 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
 
   `refuse_batch_statistics` over the ops the loss depends on, then `trace.loss_info`: an op proven
   to mix examples raises a ValueError naming it and its layer; a loss proven to hold each
-  example's loss on axis 0 is recorded, and `guard` skips the runtime mixing check for it. A loss
+  example's loss on axis 0 (or that of a step of one example) is recorded, and `guard` skips the runtime mixing check for it. A loss
   that depends on no example is analysed again with the captured tensors and constants of B rows
-  taken for the batch, and refused if it still depends on none.
+  taken for the batch, and refused if it still depends on none. In a step of one example
+  (`trace.one_example`) only values that variables carry from earlier steps mix examples: a
+  reshape that drops the batch axis of size 1 leaves no trace of it, so ops after it may look
+  mixing.
   """
   refuse_batch_statistics(trace.ancestors(loss))
   info = trace.loss_info(loss)
@@ -124,9 +130,13 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
     info = trace.loss_info(loss, loss.shape[0])
     if info == trace.NO_BATCH:
       raise ValueError(NO_DATA.format(loss.shape[0] or "B"))
-  if isinstance(info, trace.Mixed):
+  # One example mixes with no other in its step; only values carried from earlier steps count.
+  single = trace.one_example(loss)
+  if trace.carried(info):
+    raise ValueError(CARRIED.format(info.describe()))
+  if isinstance(info, trace.Mixed) and not single:
     raise ValueError(MIXING.format(info.describe()))
-  if info == trace.Batch(0):
+  if single or info == trace.Batch(0):
     _PROVEN.setdefault(loss.graph, set()).add(loss.name)
 
 

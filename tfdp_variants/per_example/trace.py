@@ -968,9 +968,9 @@ def _tensor_list(op: tf.Operation, ins: list[Info]) -> Info:
   return None
 
 
-_WRITE_FIX = (" (a running statistic written in call, weights perturbed with the batch gradient as "
-              "in sharpness-aware minimization: compute the per-example loss from the weights "
-              "and the example alone)")
+_WRITE_FIX = (" (a stateful RNN's state, a running statistic written in call, weights perturbed "
+              "with the batch gradient as in sharpness-aware minimization: compute the "
+              "per-example loss from the weights and the example alone, e.g. stateful=False)")
 
 
 # Where a function-calling op's body inputs start among the op's inputs (If: after the predicate).
@@ -1016,6 +1016,8 @@ def _assigned(op: tf.Operation, memo: dict) -> Info:
       if writer is op:
         continue
       info = _analyse(value, where)
+      if carried(info):  # A value written from one carried over (an RNN's state): said once.
+        return info
       if isinstance(info, Mixed):
         return Mixed(writer, f"writes a value mixing several examples (from {info.describe()}) "
                      f"to a variable that the loss reads{_WRITE_FIX}")
@@ -1070,7 +1072,9 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         stack.extend(pending)
         continue
       ins = [memo[i.name] for i in op.inputs]
-      mixed = next((i for i in ins if isinstance(i, Mixed)), None)
+      # A value carried from an earlier step first: a step of one example refuses that alone.
+      mixed = min((i for i in ins if isinstance(i, Mixed)), key=lambda i: not carried(i),
+                  default=None)
       why = None if mixed or not any(map(_batched, ins)) or op.type not in _MIXING else (
           _MIXING[op.type](op, ins))
       if deep and op.type in _IFS:
@@ -1169,6 +1173,50 @@ def loss_info(loss: tf.Tensor, constants: Optional[int] = None) -> Info:
   assigned to the variables it reads; with `constants` (the batch size), captured tensors and
   constants with that many rows count as data (a step that closes over its batch)."""
   return _analyse(loss, _graph_memo(loss.graph, (True, _ASSIGN_HOPS, constants)))
+
+
+def carried(info: Info) -> bool:
+  """Whether `info` is `Mixed` by a value that a variable carries into the step (`_assigned`):
+  examples of earlier steps, which even a step of one example mixes with its own."""
+  return isinstance(info, Mixed) and info.op.type in _ASSIGNS
+
+
+def _data_entries(op: tf.Operation) -> Optional[list[tf.Tensor]]:
+  """The tensors through which `op` brings data into a step: a data source's outputs, or a
+  `FuncGraph`'s argument (not a capture, not a resource); None for a loop's or a branch's input,
+  whose rows are unknown here; [] for any other op."""
+  if op.type in DATA_SOURCES:
+    return list(op.outputs)
+  if op.type != "Placeholder" or op.outputs[0].dtype == tf.resource:
+    return []
+  graph = op.graph
+  if type(graph).__name__ != "FuncGraph":
+    return None
+  t = op.outputs[0]
+  captured = any(internal is t for _, internal in getattr(graph, "captures", ()))
+  return [] if captured or t.name not in {x.name for x in graph.inputs} else [t]
+
+
+def one_example(loss: tf.Tensor) -> bool:
+  """Whether the step of `loss` provably holds one example: `loss` has one static row, and every
+  tensor through which data enters the ops it depends on (`_data_entries`; at least one) has one
+  static row too, none of them a variant (an iterator, a ragged or sparse argument's encoding).
+  Keras traces such a step for `batch_size=1` or a dataset batched by 1 with `drop_remainder`."""
+  if loss.shape.rank is None or loss.shape.rank < 1 or loss.shape[0] != 1:
+    return False
+  entries = 0
+  for op in ancestors(loss):
+    found = _data_entries(op)
+    if found is None:
+      return False
+    for t in found:
+      if t.dtype == tf.variant or t.shape.rank is None:
+        return False
+      if t.shape.rank:  # Scalars (a step counter, a flag) hold no rows.
+        if t.shape[0] != 1:
+          return False
+        entries += 1
+  return entries > 0
 
 
 # ---------------------------------------------------------------------------------------------
