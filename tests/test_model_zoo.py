@@ -294,6 +294,23 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "conv3d_transpose": (lambda: _seq((3, 3, 2, 2), L.Conv3DTranspose(3, 2, strides=2),
                                       L.Flatten(), L.Dense(2)),
                          _floats(B, 3, 3, 2, 2), DENSE * 2),
+    # Channels first (NCDHW, NCHW ops): data and output gradients moved to channels last.
+    "conv3d_channels_first": (lambda: _seq((2, 4, 4, 3), L.Conv3D(
+        3, 2, data_format="channels_first"), L.Flatten(), L.Dense(2)),
+                              _floats(B, 2, 4, 4, 3), DENSE * 2),
+    "conv3d_channels_first_grouped": (lambda: _seq((4, 5, 4, 3), L.Conv3D(
+        4, 2, groups=2, strides=2, padding="same", data_format="channels_first"), L.Flatten(),
+                                                   L.Dense(2)),
+                                      _floats(B, 4, 5, 4, 3), ["grouped", "rowsum", *DENSE]),
+    "conv1d_transpose_channels_first": (lambda: _seq((2, 5), L.Conv1DTranspose(
+        3, 3, strides=2, data_format="channels_first"), L.Flatten(), L.Dense(2)),
+                                        _floats(B, 2, 5), DENSE * 2),
+    "conv2d_transpose_channels_first": (lambda: _seq((2, 4, 5), L.Conv2DTranspose(
+        3, 3, strides=2, padding="same", data_format="channels_first"), L.Flatten(), L.Dense(2)),
+                                        _floats(B, 2, 4, 5), DENSE * 2),
+    "conv3d_transpose_channels_first": (lambda: _seq((2, 3, 3, 2), L.Conv3DTranspose(
+        3, 2, strides=(1, 2, 2), data_format="channels_first"), L.Flatten(), L.Dense(2)),
+                                        _floats(B, 2, 3, 3, 2), DENSE * 2),
     # Dilated 2-D convs run on SpaceToBatchND blocks (block-major on axis 0).
     "conv2d_dilated": (lambda: _seq((7, 7, 2), L.Conv2D(3, 3, dilation_rate=2), L.Flatten(),
                                     L.Dense(2)),
@@ -405,6 +422,7 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
        "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells", "conv2d_grouped_dilated",
+       "conv3d_channels_first_grouped", "conv2d_transpose_channels_first",
        *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 

@@ -18,9 +18,11 @@ the gradient of its output:
 * A grouped conv dilated inside its call (`SpaceToBatchND` → conv → `BatchToSpaceND`,
   `Blocked`): the dilated conv of the call's data, padded as the blocks were.
 
-A match needs channels-last data, SAME or VALID padding, static sizes that reproduce the op's own
-output size, and axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the
-fallback.
+A match needs SAME or VALID padding, static sizes that reproduce the op's own output size, and
+axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the fallback.
+Channels-first Conv3D and transposed convs (NCHW, NCDHW: Keras' `data_format="channels_first"`)
+have their data and output gradients moved to channels last (`channels_last`) first; dilated and
+blocked convs need channels-last data.
 """
 
 from __future__ import annotations
@@ -37,6 +39,25 @@ from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import trace
 
 _TRANSPOSED = ("Conv2DBackpropInput", "Conv3DBackpropInputV2")
+_CHANNELS_LAST, _CHANNELS_FIRST = (b"NHWC", b"NDHWC"), (b"NCHW", b"NCDHW")
+
+
+def _first(op: tf.Operation) -> bool:
+  """Whether `op` computes on channels-first data (NCHW, NCDHW)."""
+  return op.get_attr("data_format") in _CHANNELS_FIRST
+
+
+def _last_shape(shape: tf.TensorShape, first: bool) -> tf.TensorShape:
+  """`shape` with its channels axis last: moved from axis 1 if `first`."""
+  if not first or shape.rank is None:
+    return shape
+  dims = shape.as_list()
+  return tf.TensorShape([dims[0], *dims[2:], dims[1]])
+
+
+def channels_last(t: tf.Tensor, first: bool) -> tf.Tensor:
+  """`t` with its channels axis (1, if `first`) moved last, as the rules compute."""
+  return tf.transpose(t, [0, *range(2, t.shape.rank), 1]) if first else t
 
 
 def _out_size(size, k: int, stride: int, dilation: int, padding: str) -> tuple:
@@ -181,26 +202,30 @@ class Patches:
     return tf.cast(tf.shape(self.x)[0], tf.int64) * per_example
 
 
-def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor,
-             ksize: list[int]) -> Optional[tuple[list[int], list[int], str]]:
-  """(strides, dilations, padding) of a channels-last windowed op of SAME or VALID padding whose
-  static sizes give `out`'s spatial sizes from `data`'s, or whose data has unknown spatial sizes
-  (then `patches` computes the windows at run time by the same arithmetic; positions of another
-  count than the op's output would fail the products' shapes, never pass them), else None."""
-  rank = data.shape.rank
+def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor, ksize: list[int],
+             channels_first: bool = False) -> Optional[tuple[list[int], list[int], str]]:
+  """(strides, dilations, padding) of a channels-last windowed op (or channels-first, where the
+  caller allows it) of SAME or VALID padding whose static sizes give `out`'s spatial sizes from
+  `data`'s, or whose data has unknown spatial sizes (then `patches` computes the windows at run
+  time by the same arithmetic; positions of another count than the op's output would fail the
+  products' shapes, never pass them), else None."""
+  rank, layout = data.shape.rank, op.get_attr("data_format")
   if (rank is None or rank != len(ksize) + 2 or out.shape.rank != rank
-      or op.get_attr("data_format") not in (b"NHWC", b"NDHWC")):
+      or layout not in _CHANNELS_LAST + (_CHANNELS_FIRST if channels_first else ())):
     return None
+  first = layout in _CHANNELS_FIRST
   padding = op.get_attr("padding").decode()
-  strides, dilations = op.get_attr("strides"), op.get_attr("dilations")
+  strides, dilations = (_last_shape(tf.TensorShape(op.get_attr(a)), first).as_list()
+                        for a in ("strides", "dilations"))
   if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[-1] != 1 or (
       dilations[0] != 1 or dilations[-1] != 1):
     return None
   strides, dilations = list(strides[1:-1]), list(dilations[1:-1])
-  if not data.shape[1:-1].is_fully_defined():  # No sizes to check before run time.
+  sizes, out_sizes = (_last_shape(t.shape, first)[1:-1] for t in (data, out))
+  if not sizes.is_fully_defined():  # No sizes to check before run time.
     return strides, dilations, padding
-  outs = [_out_size(*a, padding)[0] for a in zip(data.shape[1:-1], ksize, strides, dilations)]
-  if outs != out.shape[1:-1].as_list() or min(outs) < 1:
+  outs = [_out_size(*a, padding)[0] for a in zip(sizes, ksize, strides, dilations)]
+  if outs != out_sizes.as_list() or min(outs) < 1:
     return None
   return strides, dilations, padding
 
@@ -387,16 +412,16 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
     x = op.inputs[1 - [trace.same(t, var_input) for t in op.inputs].index(True)]
   else:
     return None
-  w = conv.inputs[1]
-  if not w.shape.is_fully_defined() or x.shape.rank != 5 or x.shape[-1] is None:
+  w, channels = conv.inputs[1], _last_shape(x.shape, _first(conv))[-1]
+  if not w.shape.is_fully_defined() or x.shape.rank != 5 or channels is None:
     return None
-  groups, cin, cout = x.shape[-1] // w.shape[3], w.shape[3], w.shape[4]
-  if groups * cin != x.shape[-1] or cout % groups:
+  groups, cin, cout = channels // w.shape[3], w.shape[3], w.shape[4]
+  if groups * cin != channels or cout % groups:
     return None
   if space is not None:  # `unblocked` checked the sizes.
     windows = ([1, 1, 1], list(space.block), "VALID")
   else:
-    windows = _windows(conv, x, op.outputs[0], w.shape[:3])
+    windows = _windows(conv, x, op.outputs[0], w.shape[:3], channels_first=True)
   blocks = _blocks(x)
   if windows is None or blocks is None or (blocks > 1 and conv is not op):
     return None
@@ -412,6 +437,7 @@ def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
   channels and its output channels' gradients."""
   conv, x, groups, blocks, *windows, space = next(filter(None, (_conv3d_use(op, t)
                                                                for t in op.inputs[::-1])))
+  x, grad = channels_last(x, _first(conv)), channels_last(grad, _first(conv))
   if space is not None:
     x = space.padded(x)
   kd, kh, kw, cin, cout = conv.inputs[1].shape
@@ -436,11 +462,12 @@ def _transposed_use(op: tf.Operation,
   if (op.type not in _TRANSPOSED or not trace.same(op.inputs[1], var_input)
       or trace.same(op.inputs[2], var_input)):
     return None
-  w, z, y = op.inputs[1], op.inputs[2], op.outputs[0]
+  w, z, y, first = op.inputs[1], op.inputs[2], op.outputs[0], _first(op)
   if (not w.shape.is_fully_defined() or not y.shape.rank == z.shape.rank == w.shape.rank
-      or y.shape[-1] not in (None, w.shape[-2]) or w.shape[-1] != z.shape[-1]):
+      or _last_shape(y.shape, first)[-1] not in (None, w.shape[-2])
+      or w.shape[-1] != _last_shape(z.shape, first)[-1]):
     return None
-  windows, blocks = _windows(op, y, z, w.shape[:-2]), _blocks(z)
+  windows, blocks = _windows(op, y, z, w.shape[:-2], channels_first=True), _blocks(z)
   return None if windows is None or blocks is None else (blocks, *windows)
 
 
@@ -452,12 +479,13 @@ def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
                       var: tf.Variable) -> F.Factor:
   """Transposed conv y of z: the kernel gradient is the conv y ↦ z's, with dy as its data and z
   as its output gradient, g = Σ_p patch(dy)_pᵀ z_p."""
-  w, z, y = op.inputs[1], op.inputs[2], op.outputs[0]
+  w, first = op.inputs[1], _first(op)
+  z, y = channels_last(op.inputs[2], first), channels_last(op.outputs[0], first)
   # y's sizes (static where known: the match checked them); its channels are the filter's (Keras
   # 2's dilated op leaves them unknown): another count would fail this reshape, never pass it.
   sizes = y.shape[1:-1]
-  dy = tf.reshape(grad, [-1, *sizes, w.shape[-2]] if sizes.is_fully_defined() else
-                  tf.concat([tf.shape(y)[:-1], [w.shape[-2]]], 0))
+  dy = tf.reshape(channels_last(grad, first), [-1, *sizes, w.shape[-2]] if sizes.is_fully_defined()
+                  else tf.concat([tf.shape(y)[:-1], [w.shape[-2]]], 0))
   blocks, *windows = _transposed_use(op, w)
   return windowed_outer(dy, _rows(z, m, var.dtype, blocks, w.shape[-1]), w.shape[:-2], windows,
                         m, var.dtype, blocks, tuple(var.shape))
