@@ -185,6 +185,26 @@ CONV_GRID.update({
                                           L.Conv2D(4, 3, groups=2)), _floats(B, 6, 6, 2)),
 })
 
+CONV_GRID.update({  # The same grid channels first (Opacus' layout): NCHW ops, or XLA calls.
+    f"conv2d_cf_g{g}_s{s}_{p}_d{d}": (
+        lambda g=g, s=s, p=p, d=d: _seq((4, 7, 7), L.Conv2D(
+            4, 3, strides=s, padding=p, dilation_rate=d, groups=g, data_format="channels_first")),
+        _floats(B, 4, 7, 7))
+    for g, s, p, d in itertools.product([1, 2], [1, 2], ["valid", "same"], [1, 2])
+    if not (s == 2 and d == 2)})
+CONV_GRID.update({
+    "conv1d_cf_g2_d2": (lambda: _seq((4, 9), L.Conv1D(4, 3, dilation_rate=2, groups=2,
+                                                      data_format="channels_first")),
+                        _floats(B, 4, 9)),
+    "conv3d_cf_g2_d2": (lambda: _seq((4, 5, 5, 5), L.Conv3D(4, 2, dilation_rate=2, groups=2,
+                                                            data_format="channels_first")),
+                        _floats(B, 4, 5, 5, 5)),
+    "conv3d_cf_g1_s2_same": (lambda: _seq((2, 5, 4, 4), L.Conv3D(
+        3, 3, strides=2, padding="same", data_format="channels_first")), _floats(B, 2, 5, 4, 4)),
+    "conv2d_transpose_cf_g1_d2": (lambda: _seq((2, 4, 4), L.Conv2DTranspose(
+        3, 2, dilation_rate=2, data_format="channels_first")), _floats(B, 2, 4, 4)),
+})
+
 OTHER = {
     "embedding": (lambda: _seq((5,), L.Embedding(7, 3)), _ints(B, 5)),
     "embedding_ragged": (_ragged_embedding, _ragged_ids()),
@@ -217,7 +237,9 @@ OTHER = {
 }
 
 # Expected rule per variable where the point of the case is which path a variable takes.
-RULES = {
+RULES = {  # Channels first: no fallback (data and output gradients moved to channels last).
+    **{name: ["grouped" if "_g2" in name else "outer", "rowsum", "outer", "rowsum"]
+       for name in CONV_GRID if "_cf_" in name},
     "conv2d_g2_s1_valid_d1": ["grouped", "rowsum", "outer", "rowsum"],
     "conv1d_g2_s1_d1": ["grouped", "rowsum", "outer", "rowsum"],
     # Rows of a ragged argument, which its splits partition into examples; summed by the row ids

@@ -20,9 +20,9 @@ the gradient of its output:
 
 A match needs SAME or VALID padding, static sizes that reproduce the op's own output size, and
 axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the fallback.
-Channels-first Conv3D and transposed convs (NCHW, NCDHW: Keras' `data_format="channels_first"`)
-have their data and output gradients moved to channels last (`channels_last`) first; dilated and
-blocked convs need channels-last data.
+Channels-first Conv3D, transposed convs and convs of blocks (NCHW, NCDHW: Keras'
+`data_format="channels_first"`) have their data and output gradients moved to channels last
+(`channels_last`) first.
 """
 
 from __future__ import annotations
@@ -134,23 +134,30 @@ def unblocked(b2s: tf.Operation, data: tf.Tensor, conv: tf.Operation, x: tf.Tens
               ksize: list[int]) -> Optional[Blocked]:
   """The `Blocked` of a conv whose data `data` is a SpaceToBatchND of `x` and whose output `b2s`
   takes back to x's layout, if the blocks match, the conv has unit strides and dilations and VALID
-  padding (channels last), and the sizes agree (`x` of static sizes, `ksize` the kernel's along
-  the blocked axes), else None."""
+  padding, and the sizes agree (`x` of static sizes, `ksize` the kernel's along the blocked axes),
+  else None. Channels first, TF blocks the channels' axis too, by 1 and unpadded: the `Blocked`
+  is that of the spatial axes, for the data moved to channels last (`channels_last`)."""
   s2b = data.op
   if (s2b.type != "SpaceToBatchND" or conv.get_attr("padding") != b"VALID"
-      or conv.get_attr("data_format") not in (b"NHWC", b"NDHWC")
+      or conv.get_attr("data_format") not in _CHANNELS_LAST + _CHANNELS_FIRST
       or any(v != 1 for v in conv.get_attr("strides") + conv.get_attr("dilations"))):
     return None
   block, paddings = trace.constant_value(s2b.inputs[1]), trace.constant_value(s2b.inputs[2])
-  crops = trace.constant_value(b2s.inputs[2])
-  if (block is None or paddings is None or block != trace.constant_value(b2s.inputs[1])
-      or len(ksize) != len(block) or x.shape.rank != len(block) + 2
-      or not x.shape[1:].is_fully_defined() or not b2s.outputs[0].shape[1:-1].is_fully_defined()):
+  crops, first = trace.constant_value(b2s.inputs[2]), _first(conv)
+  if block is None or paddings is None or block != trace.constant_value(b2s.inputs[1]):
+    return None
+  if first:
+    if block[0] != 1 or paddings[0] != [0, 0] or crops[0] != [0, 0]:
+      return None
+    block, paddings, crops = block[1:], paddings[1:], crops[1:]
+  sizes, out = _last_shape(x.shape, first), _last_shape(b2s.outputs[0].shape, first)
+  if (len(ksize) != len(block) or x.shape.rank != len(block) + 2
+      or not sizes[1:].is_fully_defined() or not out[1:-1].is_fully_defined()):
     return None
   spec = Blocked(tuple(block), tuple((p[0] - c[0], p[1] - c[1]) for p, c in zip(paddings, crops)))
-  sizes = [n + a + b - d * (k - 1) for n, (a, b), d, k in zip(x.shape[1:-1], spec.pads, block,
+  sizes = [n + a + b - d * (k - 1) for n, (a, b), d, k in zip(sizes[1:-1], spec.pads, block,
                                                                ksize)]
-  return spec if sizes == b2s.outputs[0].shape[1:-1].as_list() and min(sizes) > 0 else None
+  return spec if sizes == out[1:-1].as_list() and min(sizes) > 0 else None
 
 
 def windowed_outer(x: tf.Tensor, d: tf.Tensor, ksize: list[int], windows: tuple, m: tf.Tensor,
@@ -337,10 +344,10 @@ def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tupl
   if op.type != "Conv2D" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
     return None
   x, w = op.inputs[0], op.inputs[1]
-  if (not w.shape.is_fully_defined() or x.shape.rank != 4 or w.shape[2] != x.shape[-1]
-      or op.get_attr("explicit_paddings")):
+  if (not w.shape.is_fully_defined() or x.shape.rank != 4
+      or w.shape[2] != _last_shape(x.shape, _first(op))[-1] or op.get_attr("explicit_paddings")):
     return None
-  windows = _windows(op, x, op.outputs[0], w.shape[:2])
+  windows = _windows(op, x, op.outputs[0], w.shape[:2], channels_first=True)
   blocks = _blocks(x)
   return None if windows is None or blocks is None or blocks < 2 else (blocks, *windows)
 
@@ -354,8 +361,9 @@ def blocked_conv2d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   """Conv2D: g = Σ_p patch_pᵀ dz_p over each example's positions in every block."""
   kh, kw, cin, cout = op.inputs[1].shape
   blocks, *windows = _blocked_conv2d_use(op, op.inputs[1])
-  return windowed_outer(op.inputs[0], _rows(grad, m, var.dtype, blocks, cout), [kh, kw], windows,
-                        m, var.dtype, blocks, tuple(var.shape))
+  x, grad = channels_last(op.inputs[0], _first(op)), channels_last(grad, _first(op))
+  return windowed_outer(x, _rows(grad, m, var.dtype, blocks, cout), [kh, kw], windows, m,
+                        var.dtype, blocks, tuple(var.shape))
 
 
 # ---------------------------------------------------------------------------------------------

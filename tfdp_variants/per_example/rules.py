@@ -140,7 +140,8 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
     kernel = conv.inputs[1].shape
     space = conv_rules.unblocked(b2s[0], x_path, conv, x_in,
                                  kernel[:2].as_list() if expand is None else [kernel[1]])
-    if space is None or expand not in (None, 1):
+    # A 1-D conv's data expanded on its first spatial axis (2 channels first), blocked on its own.
+    if space is None or expand not in (None, 1 if _channels_last(conv) else 2):
       return None
     path.append(x_path.op)
     x_path = x_path.op.inputs[0]
