@@ -117,12 +117,12 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
 
   `refuse_batch_statistics` over the ops the loss depends on, then `trace.loss_info`: an op proven
   to mix examples raises a ValueError naming it and its layer; a loss proven to hold each
-  example's loss on axis 0 (or that of a step of one example) is recorded, and `guard` skips the runtime mixing check for it. A loss
-  that depends on no example is analysed again with the captured tensors and constants of B rows
-  taken for the batch, and refused if it still depends on none. In a step of one example
-  (`trace.one_example`) only values that variables carry from earlier steps mix examples: a
-  reshape that drops the batch axis of size 1 leaves no trace of it, so ops after it may look
-  mixing.
+  example's loss on axis 0 (or that of a step of one example) is recorded, and `guard` skips the
+  runtime mixing check for it. A loss that depends on no example is analysed again with the
+  captured tensors and constants of B rows taken for the batch, and refused if it still depends
+  on none. In a step of one example (`trace.one_example`) only values that variables carry from
+  earlier steps mix examples: a reshape that drops the batch axis of size 1 leaves no trace of
+  it, so ops after it may look mixing.
   """
   refuse_batch_statistics(trace.ancestors(loss))
   info = trace.loss_info(loss)
