@@ -143,6 +143,17 @@ class _LowRank(L.Layer):
     return tf.matmul(x, k, transpose_b=True)
 
 
+class _TiedTranspose(L.Layer):
+  """tanh(x·W)·Wᵀ, Wᵀ a Transpose of W's read: one variable read by a product and by a product of
+  its transpose (an autoencoder's tied weights)."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(name="w", shape=(input_shape[-1], 3), initializer="random_normal")
+
+  def call(self, x):
+    return tf.matmul(tf.tanh(tf.matmul(x, self.w)), tf.transpose(self.w))
+
+
 def _lora_attention():
   """`_attention(2)` with every Dense and EinsumDense on LoRA (`enable_lora`, Keras 3)."""
   model = _attention(2)
@@ -371,6 +382,15 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
         lambda: _seq((4, 5), L.Lambda(lambda t: tf.roll(t, 1, axis=2)),
                      L.EinsumDense("ab...,bc->ac...", 3, bias_axes="c"), L.Flatten(), L.Dense(2)),
         _floats(B, 4, 5), ["fallback"] * 4),
+    # A kernel read transposed: Keras 3 transposes it before a BatchMatMul, Keras 2's Einsum
+    # reads it as (Q, C).
+    "einsum_dense_transposed_kernel": (lambda: _seq((5, 4), L.EinsumDense(
+        "abc,dc->abd", (5, 3), bias_axes="d"), L.Flatten(), L.Dense(2)), _floats(B, 5, 4),
+                                       DENSE * 2),
+    "einsum_dense_transposed_3d": (lambda: _seq((5, 4), L.EinsumDense(
+        "abc,dec->abde", (5, 2, 3)), L.Flatten(), L.Dense(2)), _floats(B, 5, 4), None),
+    "tied_transpose": (lambda: _seq((4,), _TiedTranspose(), L.Dense(2)), _floats(B, 4),
+                       ["outer", *DENSE]),
     "attention_1_head": (lambda: _attention(1), _floats(B, 3, 4), DENSE * 5),
     "attention_4_heads": (lambda: _attention(4), _floats(B, 3, 4), DENSE * 5),
     "attention_causal": (lambda: _attention(4, "causal"), _floats(B, 3, 4), DENSE * 5),
@@ -423,6 +443,7 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
        "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells", "conv2d_grouped_dilated",
        "conv3d_channels_first_grouped", "conv2d_transpose_channels_first",
+       "einsum_dense_transposed_kernel", "tied_transpose",
        *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 

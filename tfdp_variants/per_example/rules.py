@@ -421,15 +421,16 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 
 @dataclasses.dataclass(frozen=True)
 class _Einsum:
-  """An Einsum x·w whose kernel w = C + Q (contracted labels C first, then Q, each once) meets x =
-  P ∪ C (P: labels not in w, the examples' label, on any axis, moved first) in out = P ∪ Q, an
-  ellipsis taken as labels: x transposed by `x_perm` to (P, C) and the output by `out_perm` to
-  (P, Q) give the rows of an `Outer` (EinsumDense, its ellipsis on either side); `contracted` =
-  |C|."""
+  """An Einsum x·w whose kernel w = C + Q (contracted labels C first, then Q, each once; or Q + C,
+  `transposed`) meets x = P ∪ C (P: labels not in w, the examples' label, on any axis, moved
+  first) in out = P ∪ Q, an ellipsis taken as labels: x transposed by `x_perm` to (P, C) and the
+  output by `out_perm` to (P, Q) give the rows of an `Outer` (EinsumDense, its ellipsis on either
+  side); `contracted` = |C|."""
 
   x_perm: list
   out_perm: list
   contracted: int
+  transposed: bool = False
 
 
 def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
@@ -445,11 +446,12 @@ def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
   p = [a for a in x_spec if a not in w_spec]
   axis = trace.batch_axis(op.inputs[0])
   if (any(len(set(spec)) != len(spec) for spec in (x_spec, w_spec, out))
-      or list(w_spec) != c + q or sorted(out) != sorted(p + q)
+      or list(w_spec) not in (c + q, q + c) or sorted(out) != sorted(p + q)
       or len(w_spec) != var_input.shape.rank or axis is None or x_spec[axis] not in p):
     return None
   p = [x_spec[axis]] + [a for a in p if a != x_spec[axis]]  # The examples first.
-  return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c))
+  return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c),
+                 transposed=bool(c and q) and list(w_spec) == q + c)
 
 
 def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -478,6 +480,9 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   if op.type == "Einsum":
     use = _einsum_use(op, w)
     x, grad, c = tf.transpose(x, use.x_perm), tf.transpose(grad, use.out_perm), use.contracted
+    transposed = use.transposed
+    if transposed:  # w = Q + C: its first rank − |C| axes are the free ones.
+      c = w.shape.rank - c
   else:  # The output keeps x's leading axes: the examples' axis of both moved first.
     axis = trace.batch_axis(x)
     x, grad = _examples_first(x, axis), _examples_first(grad, axis)
@@ -525,7 +530,8 @@ def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[in
   sizes (None if it has none)."""
   sizes = k.shape.as_list()
   if kind == "einsum":
-    contracted = _einsum_use(inner, k).contracted
+    use = _einsum_use(inner, k)  # K = Q + C when transposed: its trailing sizes are C.
+    contracted = len(sizes) - use.contracted if use.transposed else use.contracted
     return math.prod(sizes[contracted:]) if contracted < len(sizes) else None
   return sizes[-1] if kind != "gather_v2" or len(sizes) == 2 else None
 
@@ -660,7 +666,15 @@ def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Fac
   rule = RULES[use.kind]
   if use.slot is not None:  # The use reads one block of the variable: a variable of its own.
     var = tf.TensorSpec(use.slot.block(var.shape), var.dtype)
-  return rule.factor(use.proof if rule.proves else use.op, grad, m, var)
+  if not use.transposed:
+    return rule.factor(use.proof if rule.proves else use.op, grad, m, var)
+  # The op reads Wᵀ: Wᵀ's factor Σ_t a_tᵀ d_t, transposed back, is W's with a and d swapped.
+  f = rule.factor(use.op, grad, m, tf.TensorSpec(tuple(var.shape)[::-1], var.dtype))
+  if type(f) is not F.Outer or any(x is not None for x in (f.keep, f.blocks, f.patches,
+                                                           f._materialized)):
+    raise ValueError(f"A transposed read of {var.name} took rule {use.kind}, whose factor is not a "
+                     "plain Outer: please report it with the model.")
+  return F.Outer(f.d, f.a, tuple(var.shape))
 
 
 def join(uses: list["Use"], parts: list[F.Factor], m: tf.Tensor, var: tf.Variable) -> F.Factor:
@@ -812,6 +826,9 @@ def _slices(op: tf.Operation, tensor: tf.Tensor,
 # Rules whose factor reads the variable's shape only as its number of elements: they take a block
 # of it through any reshape. Every other rule takes a block only as the op reads it.
 _ANY_SHAPE = frozenset({"bias_add", "broadcast"})
+# Rules whose factor is a plain `Outer` of the op's rows, which a 2-D variable's transpose
+# (x·Wᵀ: a Transpose of its read, Keras 3's EinsumDense "abc,dc->abd") may take, swapped.
+_TRANSPOSABLE = frozenset({"matmul", "batch_matmul", "einsum"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -830,23 +847,38 @@ class Use:
   sign: int = 1
   proof: Optional[object] = None  # A proving rule's proof (`Rule.proves`).
   slot: Optional[Slot] = None  # The block of the variable the op reads, if not all of it.
+  transposed: bool = False  # The op reads the 2-D variable's transpose (`_TRANSPOSABLE`).
 
   @property
   def output(self) -> tf.Tensor:
     return self.op.outputs[0] if self.proof is None else self.proof.probe
 
 
+def _swaps(op: tf.Operation, tensor: tf.Tensor) -> bool:
+  """Whether `op` transposes the 2-D `tensor` (perm [1, 0])."""
+  return (op.type == "Transpose" and trace.same(op.inputs[0], tensor) and tensor.shape.rank == 2
+          and trace.constant_value(op.inputs[1]) == [1, 0])
+
+
 def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShape, sign: int = 1,
-             slot: Optional[Slot] = None) -> Optional[list[Use]]:
+             slot: Optional[Slot] = None, transposed: bool = False) -> Optional[list[Use]]:
   """Rule-bearing uses of a read of a variable of `shape` (negated if `sign` is -1; its block
-  `slot` if not None), or None if any use has no rule."""
+  `slot` if not None; its transpose, read by products alone, if `transposed`), or None if any use
+  has no rule."""
   uses = []
   for op in tensor.consumers():
     if op not in forward:
       continue
-    blocks = None if slot is not None else _slices(op, tensor, shape)  # No block of a block.
-    if op.type in _PASS_THROUGH or op.type == "Neg":
-      sub = _uses_of(op.outputs[0], forward, shape, -sign if op.type == "Neg" else sign, slot)
+    blocks = None if slot is not None or transposed else _slices(op, tensor, shape)
+    if transposed and op.type not in ("Identity", "Cast", "Neg"):  # Only products of Wᵀ.
+      use = match(op, tensor, forward, sign)
+      sub = ([dataclasses.replace(use, transposed=True)]
+             if use is not None and use.kind in _TRANSPOSABLE else None)
+    elif slot is None and not transposed and _swaps(op, tensor):
+      sub = _uses_of(op.outputs[0], forward, shape, sign, transposed=True)
+    elif op.type in _PASS_THROUGH or op.type == "Neg":
+      sub = _uses_of(op.outputs[0], forward, shape, -sign if op.type == "Neg" else sign, slot,
+                     transposed)
     elif blocks is not None:
       sub = []
       for out, block in blocks:
