@@ -154,6 +154,21 @@ class _TiedTranspose(L.Layer):
     return tf.matmul(tf.tanh(tf.matmul(x, self.w)), tf.transpose(self.w))
 
 
+class _TiedEmbedding(L.Layer):
+  """Ids → rows of a table E → Dense → logits h·Eᵀ: one variable read by a gather and by a
+  product of its transpose (tied input and output embeddings)."""
+
+  def __init__(self):
+    super().__init__()
+    self.dense = L.Dense(3)
+
+  def build(self, input_shape):
+    self.table = self.add_weight(name="table", shape=(7, 3), initializer="random_normal")
+
+  def call(self, ids):
+    return tf.matmul(self.dense(tf.gather(self.table, ids)), tf.transpose(self.table))
+
+
 def _lora_attention():
   """`_attention(2)` with every Dense and EinsumDense on LoRA (`enable_lora`, Keras 3)."""
   model = _attention(2)
@@ -391,6 +406,9 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
         "abc,dec->abde", (5, 2, 3)), L.Flatten(), L.Dense(2)), _floats(B, 5, 4), None),
     "tied_transpose": (lambda: _seq((4,), _TiedTranspose(), L.Dense(2)), _floats(B, 4),
                        ["outer", *DENSE]),
+    # Materialized from both rules and summed (no one factor holds a gather and an outer).
+    "tied_embedding": (lambda: _seq((4,), _TiedEmbedding(), dtype="int32"), _ints(B, 4, high=7),
+                       ["gather+outer", *DENSE]),
     "attention_1_head": (lambda: _attention(1), _floats(B, 3, 4), DENSE * 5),
     "attention_4_heads": (lambda: _attention(4), _floats(B, 3, 4), DENSE * 5),
     "attention_causal": (lambda: _attention(4, "causal"), _floats(B, 3, 4), DENSE * 5),

@@ -822,4 +822,5 @@ def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:
   if kinds == {Gather}:
     return Gather(tf.concat([f.ids for f in factors], 1), tf.concat([f.d for f in factors], 1),
                   shape)
-  return Dense(tf.add_n([f.materialize(0, None) for f in factors]))
+  return Dense(tf.add_n([f.materialize(0, None) for f in factors]),
+               rule="+".join(sorted({f.rule for f in factors})))

@@ -57,8 +57,9 @@ class PerExampleGradients:
 
   @property
   def rules(self) -> list[str]:
-    """The rule each variable took: "outer", "rowsum", "gather", "grouped", "fallback", or
-    "one_example" (a step of one example: its own gradient)."""
+    """The rule each variable took: "outer", "rowsum", "gather", "grouped", "fallback",
+    "one_example" (a step of one example: its own gradient), or rules joined by "+" (a variable
+    read by ops of several rules: blocks, or per-example gradients materialized and summed)."""
     return [f.rule for f in self.factors]
 
   def squared_norms(self) -> list[tf.Tensor]:
