@@ -404,8 +404,9 @@ class TPVDCallback(_StepCounter):
     `shuffle(n, seed=s, reshuffle_each_iteration=False)`: pass the same dataset to both;
   - `shuffle(n, seed=s)` reshuffling each epoch: the k-th pass over a dataset object (its k-th
     iterator) is reproducible, but all passes over one object advance one seed sequence, so give
-    the twin a second copy of the pipeline built the same way, not the object given to fit. An
-    unseeded shuffle is not reproducible.
+    the twin a second copy of the pipeline built the same way, under the same global seed
+    (`tf.random.set_seed`, which also sets the order), not the object given to fit. An unseeded
+    shuffle is not reproducible.
 
   Each epoch, and each train begin, the twin opens a new pass over `twin_data`, as Keras 2.15's
   fit does over its dataset (it opens one before its first epoch and drops it; the twin drops one
