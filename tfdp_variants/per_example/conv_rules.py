@@ -42,7 +42,7 @@ _TRANSPOSED = ("Conv2DBackpropInput", "Conv3DBackpropInputV2")
 _CHANNELS_LAST, _CHANNELS_FIRST = (b"NHWC", b"NDHWC"), (b"NCHW", b"NCDHW")
 
 
-def _first(op: tf.Operation) -> bool:
+def channels_first(op: tf.Operation) -> bool:
   """Whether `op` computes on channels-first data (NCHW, NCDHW)."""
   return op.get_attr("data_format") in _CHANNELS_FIRST
 
@@ -143,7 +143,7 @@ def unblocked(b2s: tf.Operation, data: tf.Tensor, conv: tf.Operation, x: tf.Tens
       or any(v != 1 for v in conv.get_attr("strides") + conv.get_attr("dilations"))):
     return None
   block, paddings = trace.constant_value(s2b.inputs[1]), trace.constant_value(s2b.inputs[2])
-  crops, first = trace.constant_value(b2s.inputs[2]), _first(conv)
+  crops, first = trace.constant_value(b2s.inputs[2]), channels_first(conv)
   if block is None or paddings is None or block != trace.constant_value(b2s.inputs[1]):
     return None
   if first:
@@ -210,7 +210,7 @@ class Patches:
 
 
 def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor, ksize: list[int],
-             channels_first: bool = False) -> Optional[tuple[list[int], list[int], str]]:
+             allow_first: bool = False) -> Optional[tuple[list[int], list[int], str]]:
   """(strides, dilations, padding) of a channels-last windowed op (or channels-first, where the
   caller allows it) of SAME or VALID padding whose static sizes give `out`'s spatial sizes from
   `data`'s, or whose data has unknown spatial sizes (then `patches` computes the windows at run
@@ -218,7 +218,7 @@ def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor, ksize: list[int]
   products' shapes, never pass them), else None."""
   rank, layout = data.shape.rank, op.get_attr("data_format")
   if (rank is None or rank != len(ksize) + 2 or out.shape.rank != rank
-      or layout not in _CHANNELS_LAST + (_CHANNELS_FIRST if channels_first else ())):
+      or layout not in _CHANNELS_LAST + (_CHANNELS_FIRST if allow_first else ())):
     return None
   first = layout in _CHANNELS_FIRST
   padding = op.get_attr("padding").decode()
@@ -344,10 +344,10 @@ def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tupl
   if op.type != "Conv2D" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
     return None
   x, w = op.inputs[0], op.inputs[1]
-  if (not w.shape.is_fully_defined() or x.shape.rank != 4
-      or w.shape[2] != _last_shape(x.shape, _first(op))[-1] or op.get_attr("explicit_paddings")):
+  if (not w.shape.is_fully_defined() or x.shape.rank != 4 or op.get_attr("explicit_paddings")
+      or w.shape[2] != _last_shape(x.shape, channels_first(op))[-1]):
     return None
-  windows = _windows(op, x, op.outputs[0], w.shape[:2], channels_first=True)
+  windows = _windows(op, x, op.outputs[0], w.shape[:2], allow_first=True)
   blocks = _blocks(x)
   return None if windows is None or blocks is None or blocks < 2 else (blocks, *windows)
 
@@ -361,7 +361,8 @@ def blocked_conv2d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   """Conv2D: g = Σ_p patch_pᵀ dz_p over each example's positions in every block."""
   kh, kw, cin, cout = op.inputs[1].shape
   blocks, *windows = _blocked_conv2d_use(op, op.inputs[1])
-  x, grad = channels_last(op.inputs[0], _first(op)), channels_last(grad, _first(op))
+  first = channels_first(op)
+  x, grad = channels_last(op.inputs[0], first), channels_last(grad, first)
   return windowed_outer(x, _rows(grad, m, var.dtype, blocks, cout), [kh, kw], windows, m,
                         var.dtype, blocks, tuple(var.shape))
 
@@ -420,7 +421,7 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
     x = op.inputs[1 - [trace.same(t, var_input) for t in op.inputs].index(True)]
   else:
     return None
-  w, channels = conv.inputs[1], _last_shape(x.shape, _first(conv))[-1]
+  w, channels = conv.inputs[1], _last_shape(x.shape, channels_first(conv))[-1]
   if not w.shape.is_fully_defined() or x.shape.rank != 5 or channels is None:
     return None
   groups, cin, cout = channels // w.shape[3], w.shape[3], w.shape[4]
@@ -429,7 +430,7 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   if space is not None:  # `unblocked` checked the sizes.
     windows = ([1, 1, 1], list(space.block), "VALID")
   else:
-    windows = _windows(conv, x, op.outputs[0], w.shape[:3], channels_first=True)
+    windows = _windows(conv, x, op.outputs[0], w.shape[:3], allow_first=True)
   blocks = _blocks(x)
   if windows is None or blocks is None or (blocks > 1 and conv is not op):
     return None
@@ -445,7 +446,8 @@ def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
   channels and its output channels' gradients."""
   conv, x, groups, blocks, *windows, space = next(filter(None, (_conv3d_use(op, t)
                                                                for t in op.inputs[::-1])))
-  x, grad = channels_last(x, _first(conv)), channels_last(grad, _first(conv))
+  first = channels_first(conv)
+  x, grad = channels_last(x, first), channels_last(grad, first)
   if space is not None:
     x = space.padded(x)
   kd, kh, kw, cin, cout = conv.inputs[1].shape
@@ -470,12 +472,12 @@ def _transposed_use(op: tf.Operation,
   if (op.type not in _TRANSPOSED or not trace.same(op.inputs[1], var_input)
       or trace.same(op.inputs[2], var_input)):
     return None
-  w, z, y, first = op.inputs[1], op.inputs[2], op.outputs[0], _first(op)
+  w, z, y, first = op.inputs[1], op.inputs[2], op.outputs[0], channels_first(op)
   if (not w.shape.is_fully_defined() or not y.shape.rank == z.shape.rank == w.shape.rank
       or _last_shape(y.shape, first)[-1] not in (None, w.shape[-2])
       or w.shape[-1] != _last_shape(z.shape, first)[-1]):
     return None
-  windows, blocks = _windows(op, y, z, w.shape[:-2], channels_first=True), _blocks(z)
+  windows, blocks = _windows(op, y, z, w.shape[:-2], allow_first=True), _blocks(z)
   return None if windows is None or blocks is None else (blocks, *windows)
 
 
@@ -487,7 +489,7 @@ def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
                       var: tf.Variable) -> F.Factor:
   """Transposed conv y of z: the kernel gradient is the conv y ↦ z's, with dy as its data and z
   as its output gradient, g = Σ_p patch(dy)_pᵀ z_p."""
-  w, first = op.inputs[1], _first(op)
+  w, first = op.inputs[1], channels_first(op)
   z, y = channels_last(op.inputs[2], first), channels_last(op.outputs[0], first)
   # y's sizes (static where known: the match checked them); its channels are the filter's (Keras
   # 2's dilated op leaves them unknown): another count would fail this reshape, never pass it.

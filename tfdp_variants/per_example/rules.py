@@ -78,10 +78,6 @@ def _unmerged(t: tf.Tensor, sizes: tuple[int, ...], width: int) -> tf.Tensor:
   return _examples_first(tf.reshape(t, [*sizes, -1, width]), len(sizes))
 
 
-def _channels_last(op: tf.Operation) -> bool:
-  return op.get_attr("data_format") in (b"NHWC", b"NDHWC")
-
-
 # ---------------------------------------------------------------------------------------------
 # Convolutions.
 
@@ -141,7 +137,7 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
     space = conv_rules.unblocked(b2s[0], x_path, conv, x_in,
                                  kernel[:2].as_list() if expand is None else [kernel[1]])
     # A 1-D conv's data expanded on its first spatial axis (2 channels first), blocked on its own.
-    if space is None or expand not in (None, 1 if _channels_last(conv) else 2):
+    if space is None or expand not in (None, 2 if conv_rules.channels_first(conv) else 1):
       return None
     path.append(x_path.op)
     x_path = x_path.op.inputs[0]
@@ -167,7 +163,7 @@ def _conv_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
 
 def _groups(conv: tf.Operation, x: tf.Tensor) -> Optional[int]:
   """Input channels / the filter's input channels (1: a plain conv), None if unknown."""
-  c = x.shape[-1 if _channels_last(conv) else 1]
+  c = x.shape[1 if conv_rules.channels_first(conv) else -1]
   cin = conv.inputs[1].shape[2]
   return None if c is None or cin is None or c % cin else c // cin
 
@@ -195,8 +191,8 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   strides, dilations = conv.get_attr("strides"), conv.get_attr("dilations")
   padding = conv.get_attr("padding").decode()
   pads = conv.get_attr("explicit_paddings")
-  if not _channels_last(conv):
-    x, grad = tf.transpose(x, [0, 2, 3, 1]), tf.transpose(grad, [0, 2, 3, 1])
+  if conv_rules.channels_first(conv):
+    x, grad = conv_rules.channels_last(x, True), conv_rules.channels_last(grad, True)
     strides, dilations = [strides[i] for i in (0, 2, 3, 1)], [dilations[i] for i in (0, 2, 3, 1)]
     pads = [pads[j] for i in (0, 2, 3, 1) for j in (2 * i, 2 * i + 1)] if pads else pads
   if padding == "EXPLICIT":
@@ -707,7 +703,7 @@ def join(uses: list["Use"], parts: list[F.Factor], m: tf.Tensor, var: tf.Variabl
 
 
 def _grouped(op: tf.Operation) -> bool:
-  c = op.inputs[0].shape[-1 if _channels_last(op) else 1]
+  c = op.inputs[0].shape[1 if conv_rules.channels_first(op) else -1]
   return c is None or c != op.inputs[1].shape[-2]
 
 
