@@ -127,7 +127,7 @@ def test_fit_self_checks_a_synthetic_batch_not_the_data(data):
   else:
     model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
   _assert_trained_exactly(model, x, y)
-  assert bool(optimizer._self_check_flags.items) == (data == "own_train_step")
+  assert bool(optimizer._dp.self_check_flags) == (data == "own_train_step")
 
 
 def test_fit_keeps_the_in_step_check_where_the_step_takes_other_rules(monkeypatch):
@@ -141,7 +141,7 @@ def test_fit_keeps_the_in_step_check_where_the_step_takes_other_rules(monkeypatc
   model.compile(optimizer=optimizer, loss=_LOSS)
   model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
   _assert_trained_exactly(model, x, y)
-  assert optimizer.per_example_rules == ("outer", "rowsum") * 2 and optimizer._self_check_flags.items
+  assert optimizer.per_example_rules == ("outer", "rowsum") * 2 and optimizer._dp.self_check_flags
 
 
 def _minimize(optimizer, model, x, y):

@@ -146,15 +146,16 @@ def test_guarantee_labels_and_accounting():
   assert LayeredClipAdam.privacy_guarantee == "heuristic"
   heuristic = LayeredClipAdam(1.0, sigma, total_steps=steps)
   assert heuristic.privacy_guarantee == "heuristic"
-  assert heuristic.step_event(q) is None
-  assert heuristic.nominal_step_event(q) == gaussian
+  assert heuristic.events().poisson(q).certified is None
+  assert heuristic.events().poisson(q).nominal == gaussian
   certified = LayeredClipAdam(1.0, sigma, certified=True)
   assert certified.privacy_guarantee == "certified"
-  assert certified.step_event(q) == certified.nominal_step_event(q) == gaussian
+  events = certified.events().poisson(q)
+  assert events.certified == events.nominal == gaussian
   want = dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(
       gaussian, steps).get_epsilon(delta)
   got = accounting.epsilon_of_event(
-      dp_accounting.SelfComposedDpEvent(certified.step_event(q), steps), delta)
+      dp_accounting.SelfComposedDpEvent(certified.events().poisson(q).certified, steps), delta)
   assert got == pytest.approx(want, rel=1e-9)
 
 

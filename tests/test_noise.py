@@ -170,8 +170,8 @@ def test_noise_ignores_keras_seed_unless_noise_seed_is_given():
     tf.keras.utils.set_random_seed(len(seeded))  # The Keras seed does not matter either way.
     seeded.append(_pure_noise(opt)())
     assert opt.privacy_guarantee == "none"
-    assert opt.step_event(0.01) is None and opt.mechanism_event() is None
-    assert opt.nominal_step_event(0.01) == dp_accounting.PoissonSampledDpEvent(
+    assert opt.events().poisson(0.01).certified is None and opt.events().certified is None
+    assert opt.events().poisson(0.01).nominal == dp_accounting.PoissonSampledDpEvent(
         0.01, dp_accounting.GaussianDpEvent(1.0))
     assert opt.get_config()["noise_seed"] == 7
   np.testing.assert_array_equal(seeded[0], seeded[1])

@@ -245,11 +245,12 @@ def test_guarantees_and_accounting():
   ac, ca = NGAdam(1.0, sigma), NGAdam(1.0, sigma, order="clip_then_noise")
   assert NGAdam.privacy_guarantee == "none"
   assert (ac.privacy_guarantee, ca.privacy_guarantee) == ("none", "certified")
-  assert ac.step_event(q) is None
-  assert ac.nominal_step_event(q) == gaussian == ca.step_event(q) == ca.nominal_step_event(q)
+  assert ac.events().poisson(q).certified is None
+  assert ac.events().poisson(q).nominal == gaussian == ca.events().poisson(q).certified
+  assert ca.events().poisson(q).nominal == gaussian
   accountant = dp_accounting.rdp.RdpAccountant(list(tfdp_variants.accounting.RDP_ORDERS))
   accountant.compose(gaussian, 100)
-  nominal = dp_accounting.SelfComposedDpEvent(ac.nominal_step_event(q), 100)
+  nominal = dp_accounting.SelfComposedDpEvent(ac.events().poisson(q).nominal, 100)
   assert tfdp_variants.accounting.epsilon_of_event(nominal, 1e-5) == pytest.approx(
       accountant.get_epsilon(1e-5), rel=1e-9)
 

@@ -94,8 +94,8 @@ def test_classes_labels_and_step_event():
     assert cls.__name__ == "PI" + base_cls.__name__ and issubclass(cls, base_cls)
     assert cls.privacy_guarantee == "certified"
   opt = _pi(tf.keras.optimizers.RMSprop)(4.0, 2.0, learning_rate=1e-3)
-  assert opt.step_event(0.01) == accounting.step_event(2.0, 0.01)
-  assert opt.nominal_step_event(0.01) == opt.step_event(0.01)
+  assert opt.events().poisson(0.01).certified == accounting.step_event(2.0, 0.01)
+  assert opt.events().poisson(0.01).nominal == opt.events().poisson(0.01).certified
 
 
 @pytest.mark.parametrize("num_microbatches,batch_size,used_microbatching", [
@@ -108,7 +108,7 @@ def test_microbatch_sensitivity_equals_dp_accounting(num_microbatches, batch_siz
   q, sigma, steps = 0.01, 2.0, 40_000
   opt = _pi(tf.keras.optimizers.Adam)(4.0, sigma, num_microbatches=num_microbatches,
                                        learning_rate=1e-3)
-  run = dp_accounting.SelfComposedDpEvent(opt.step_event(q, batch_size), steps)
+  run = dp_accounting.SelfComposedDpEvent(opt.events(batch_size).poisson(q).certified, steps)
   reference = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
       q, dp_accounting.GaussianDpEvent(sigma / 2 if used_microbatching else sigma)), steps)
   # dp_accounting's default orders, as TF Privacy's _compute_dp_sgd_example_privacy; ours are
@@ -117,7 +117,7 @@ def test_microbatch_sensitivity_equals_dp_accounting(num_microbatches, batch_siz
   assert rdp(run) == pytest.approx(rdp(reference), rel=1e-9)
   assert accounting.epsilon_of_event(run, DELTA) == pytest.approx(
       15.26 if used_microbatching else 5.12, abs=0.01)
-  assert opt.nominal_step_event(q, batch_size) == opt.step_event(q, batch_size)
+  assert opt.events(batch_size).poisson(q).nominal == opt.events(batch_size).poisson(q).certified
 
 
 def test_noise_std_is_sigma_c_over_m():

@@ -206,8 +206,8 @@ def test_guarantee_labels():
 
 def test_direct_has_no_certified_event():
   opt = QuantileClipAdam(1.0, 1.1, per_layer=True)
-  assert opt.step_event(0.01) is None
-  assert opt.nominal_step_event(0.01) == dp_accounting.PoissonSampledDpEvent(
+  assert opt.events().poisson(0.01).certified is None
+  assert opt.events().poisson(0.01).nominal == dp_accounting.PoissonSampledDpEvent(
       0.01, dp_accounting.GaussianDpEvent(1.1))
 
 
@@ -217,18 +217,18 @@ def test_geometric_event():
   (count records ±½ may flip: ½ → 1)."""
   sigma, stddev, num_records = 1.1, 3.2, 64
   opt = QuantileClipAdam(1.0, sigma, method="geometric", expected_num_records=num_records)
-  ours = opt.step_event(0.02)
+  ours = opt.events().poisson(0.02).certified
   assert ours.sampling_probability == 0.02
   assert ours.event.events[0].noise_multiplier == pytest.approx(sigma)
   assert ours.event.events[1].noise_multiplier == pytest.approx(2 * stddev)  # Default E / 20.
   assert QuantileClipAdam(1.0, sigma, method="geometric", clipped_count_stddev=stddev
-                          ).step_event(1.0) == ours.event
+                          ).events().poisson(1.0).certified == ours.event
   micro = QuantileClipAdam(1.0, sigma, method="geometric", clipped_count_stddev=stddev,
                            num_microbatches=4)
-  assert micro.step_event(0.02) == dp_accounting.PoissonSampledDpEvent(
+  assert micro.events().poisson(0.02).certified == dp_accounting.PoissonSampledDpEvent(
       0.02, dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma / 2),
                                            dp_accounting.GaussianDpEvent(stddev)]))
-  assert micro.step_event(0.02, batch_size=4) == ours
+  assert micro.events(batch_size=4).poisson(0.02).certified == ours
 
 
 def test_geometric_per_layer_epsilon_equals_dp_accounting():
@@ -237,17 +237,17 @@ def test_geometric_per_layer_epsilon_equals_dp_accounting():
   opt = QuantileClipAdam(1.0, sigma, per_layer=True, method="geometric",
                          clipped_count_stddev=stddev)
   with pytest.raises(ValueError, match="pass num_layers"):
-    opt.step_event(q)
+    opt.events().poisson(q).certified
   model = _model()
   k = len(model.trainable_variables)
-  before_build = opt.step_event(q, num_layers=k)
+  before_build = opt.events(num_layers=k).poisson(q).certified
   opt.build(model.trainable_variables)
-  assert opt.step_event(q) == before_build
+  assert opt.events().poisson(q).certified == before_build
   reference = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(sigma)] * k + [dp_accounting.GaussianDpEvent(2 * stddev)] * k))
   want = dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(
       reference, steps).get_epsilon(delta)
-  run = dp_accounting.SelfComposedDpEvent(opt.step_event(q), steps)
+  run = dp_accounting.SelfComposedDpEvent(opt.events().poisson(q).certified, steps)
   assert accounting.epsilon_of_event(run, delta) == pytest.approx(want, rel=1e-9)
   # The count query costs privacy: without it the gradient query alone spends less.
   assert accounting.epsilon(sigma / np.sqrt(k), q, steps, delta) < want

@@ -170,25 +170,27 @@ def test_step_events_use_true_sensitivity():
   sigma, c, q = 1.1, 2.0, 256 / 60000
   opt = _cls(tf.keras.optimizers.Adam)(1.0, sigma, output_range=c)
   with pytest.raises(ValueError, match="pass num_parameters"):
-    opt.step_event(q)
+    opt.events().poisson(q).certified
   n = 3 * 3 * 3 + 3 + 48 * 5 + 5 + 5 * 3 + 3
-  before_build = opt.step_event(q, num_parameters=n)
+  before_build = opt.events(num_parameters=n).poisson(q).certified
   model, _, _ = _fit(opt)
   assert model.count_params() == n
-  assert opt.step_event(q) == before_build == accounting.step_event(sigma / (c * math.sqrt(n)), q)
+  assert opt.events().poisson(q).certified == before_build == accounting.step_event(
+      sigma / (c * math.sqrt(n)), q)
   with pytest.raises(ValueError, match="disagrees"):
-    opt.step_event(q, num_parameters=n + 1)
-  assert opt.nominal_step_event(q) == accounting.step_event(sigma, q)
+    opt.events(num_parameters=n + 1).poisson(q).certified
+  assert opt.events().poisson(q).nominal == accounting.step_event(sigma, q)
   # Several examples per microbatch: each coordinate of a record may move across (−c, c), 2c√n.
-  assert opt.step_event(q, replace_one=True) == accounting.step_event(
+  assert opt.events(replace_one=True).poisson(q).certified == accounting.step_event(
       sigma / (2 * c * math.sqrt(n)), q)
-  assert opt.nominal_step_event(q, replace_one=True) == accounting.step_event(sigma / 2, q)
+  assert opt.events(replace_one=True).poisson(q).nominal == accounting.step_event(sigma / 2, q)
   certified = _cls()(1.0, sigma, output_range=c, certified=True)
-  assert certified.step_event(q) == certified.nominal_step_event(q) == accounting.step_event(
+  events = certified.events().poisson(q)
+  assert events.certified == events.nominal == accounting.step_event(
       sigma, q)
   micro = _cls()(1.0, sigma, output_range=c, certified=True, num_microbatches=4)
-  assert micro.step_event(q) == accounting.step_event(sigma / 2, q)
-  assert micro.step_event(q, batch_size=4) == accounting.step_event(sigma, q)
+  assert micro.events().poisson(q).certified == accounting.step_event(sigma / 2, q)
+  assert micro.events(batch_size=4).poisson(q).certified == accounting.step_event(sigma, q)
 
 
 @pytest.mark.parametrize("certified", [False, True])

@@ -170,7 +170,8 @@ def test_geometric_event_equals_tf_privacy_query_event():
   _, _, theirs = query.get_noised_result(query.initial_sample_state(tf.zeros([3])),
                                          query.initial_global_state())
   ours = tfdp_variants.QuantileClipAdam(1.0, sigma, method="geometric",
-                                        expected_num_records=num_records).step_event(0.02)
+                                        expected_num_records=num_records
+                                        ).events().poisson(0.02).certified
   assert [e.noise_multiplier for e in ours.event.events] == pytest.approx(
       [float(e.noise_multiplier) for e in theirs.events])
 
@@ -232,7 +233,7 @@ def test_microbatch_sensitivity_equals_tf_privacy(num_microbatches, batch_size,
   examples, with used_microbatching=False when it holds one."""
   q, sigma, steps = 0.01, 2.0, 40_000
   opt = tfdp_variants.PIAdam(4.0, sigma, num_microbatches=num_microbatches, learning_rate=1e-3)
-  run = dp_accounting.SelfComposedDpEvent(opt.step_event(q, batch_size), steps)
+  run = dp_accounting.SelfComposedDpEvent(opt.events(batch_size).poisson(q).certified, steps)
   # pylint: disable-next=protected-access
   example_privacy = compute_dp_sgd_privacy_lib._compute_dp_sgd_example_privacy
   theirs = example_privacy(steps * q, sigma, DELTA, used_microbatching,

@@ -116,24 +116,24 @@ def test_step_event_is_the_composition_of_the_per_layer_gaussians():
       [dp_accounting.GaussianDpEvent(sigma)] * k + [dp_accounting.GaussianDpEvent(sigma_n)] * k)
   rdp = lambda event: dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS).compose(
       dp_accounting.SelfComposedDpEvent(event, steps)).get_epsilon(delta)
-  ours = rdp(algorithm.step_event(q))
+  ours = rdp(algorithm.events().poisson(q).certified)
   assert ours == pytest.approx(rdp(dp_accounting.PoissonSampledDpEvent(q, explicit)), rel=1e-9)
   # Without sampling, PLD convolves the 2K Gaussians one by one: no reduction shared with ours.
   pld = lambda event: dp_accounting.pld.PLDAccountant(
       value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
-  assert pld(algorithm.step_event(1.0)) == pytest.approx(pld(explicit), rel=1e-2)
+  assert pld(algorithm.events().poisson(1.0).certified) == pytest.approx(pld(explicit), rel=1e-2)
   # The norm query costs privacy beyond the gradient query alone.
   assert ours > accounting.epsilon(sigma / np.sqrt(k), q, steps, delta)
   # Several examples per microbatch: each clipped layer record may move by 2C^l; the norm
   # records min(‖g^l‖, C_n^l) ∈ [0, C_n^l] still by C_n^l only.
   replaced = dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(sigma / 2)] * k + [dp_accounting.GaussianDpEvent(sigma_n)] * k)
-  assert rdp(algorithm.step_event(q, replace_one=True)) == pytest.approx(
+  assert rdp(algorithm.events(replace_one=True).poisson(q).certified) == pytest.approx(
       rdp(dp_accounting.PoissonSampledDpEvent(q, replaced)), rel=1e-9)
-  assert adaptive_clip.AdaptiveClip(1.0, sigma).step_event(q, num_layers=k) == (
-      algorithm.step_event(q))
+  assert adaptive_clip.AdaptiveClip(1.0, sigma).events(num_layers=k).poisson(q).certified == (
+      algorithm.events().poisson(q).certified)
   assert adaptive_clip.AdaptiveClip(1.0, sigma, norm_noise_multiplier=0.0,
-                                    initial_l2_norm_clips=[1.0]).step_event(q) == (
+                                    initial_l2_norm_clips=[1.0]).events().poisson(q).certified == (
                                         accounting.step_event(0.0, q))
 
 
@@ -180,7 +180,7 @@ def test_bad_options(kwargs, match):
 
 def test_bounds_must_match_variables_and_k_must_be_known():
   with pytest.raises(ValueError, match="depends on num_layers"):
-    AdaptiveClipAdam(1.0, 1.0).step_event(0.01)
+    AdaptiveClipAdam(1.0, 1.0).events().poisson(0.01).certified
   model = _model()
   model.compile(optimizer=AdaptiveClipAdam(1.0, 1.0, initial_l2_norm_clips=[1.0, 1.0]),
                 loss=_loss())

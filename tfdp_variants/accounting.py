@@ -257,7 +257,7 @@ def noise_multiplier_for(target_epsilon: float,
   `compute_noise_from_budget_lib.compute_noise` does; the closed forms
   ("mma", "ma") are inverted exactly. `step_event_for(σ)` gives the event of
   one step at noise multiplier σ when it is not DP-SGD's (e.g. an algorithm
-  with an extra query: `lambda s: algorithm_with(s).step_event(q)`).
+  with an extra query: `lambda s: algorithm_with(s).events().poisson(q).certified`).
   """
   if not target_epsilon > 0:
     raise ValueError(

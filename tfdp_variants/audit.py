@@ -645,7 +645,7 @@ class AuditResult:
     certified_epsilon, certified_mu: the optimizer's whole certified event's ε at delta and μ (μ
       only for Gaussian mechanisms) for `steps` unsampled steps; None without a guarantee.
     nominal_mu, nominal_epsilon: the same for the event the algorithm's paper accounts
-      (`nominal_mechanism_event`, the certified one when there is one).
+      (`events(...).nominal`, the certified one when there is one).
     max_detectable_epsilon, max_detectable_mu: the largest bounds these trials could give at all
       (perfect separation): a violation above them cannot be detected.
     verdict: "VIOLATION" (a lower bound exceeds its claimed value), "consistent" (none does:
@@ -732,7 +732,7 @@ def audit(optimizer_factory: Callable[[], object], trials: int = 1000, *, delta:
       which losses are not: read `mu_lower` and `epsilon_lower`, which assume nothing.
 
   Returns:
-    An `AuditResult`. Its certified values are the optimizer's own `mechanism_event` for this
+    An `AuditResult`. Its certified values are the optimizer's own certified event for this
     batch and adjacency, composed over `steps` (no sampling: the canary is always in the batch);
     the verdict holds the bounds to the claim (`claimed_mu`, `claim`: the gradient query alone for
     one step of a composed event, see `_claim`); nominal values are the paper's accounting.
@@ -756,11 +756,10 @@ def audit(optimizer_factory: Callable[[], object], trials: int = 1000, *, delta:
                                              4 if dim is None else dim, adjacency, steps, canary,
                                              path, strategy, seed)
   replace_one = adjacency == "replace"
-  event = optimizer.mechanism_event(batch_size, replace_one=replace_one)
+  event, nominal = optimizer.events(batch_size, replace_one=replace_one)
   certified_mu, certified_epsilon, _ = _claim(event, steps, delta, whole=True)
   claimed_mu, claimed_epsilon, claim = _claim(event, steps, delta)
-  nominal_mu, nominal_epsilon, _ = _claim(
-      optimizer.nominal_mechanism_event(batch_size, replace_one=replace_one), steps, delta)
+  nominal_mu, nominal_epsilon, _ = _claim(nominal, steps, delta)
   mu_hat, mu_low, mu_high = gaussian_mu(present, absent, alpha)
   bounds = threshold_bounds(present, absent, delta, alpha, seed)
   if event is None:
@@ -878,7 +877,7 @@ def one_run(optimizer_factory: Callable[[], object], canaries: int = 1000, *,
   scores = run().numpy().astype(np.float64)
   if not np.all(np.isfinite(scores)):
     raise ValueError("The audited optimizer released a non-finite update: fix that first.")
-  _, certified, _ = _claim(optimizer.mechanism_event(len(y)), steps, delta, whole=True)
+  _, certified, _ = _claim(optimizer.events(len(y)).certified, steps, delta, whole=True)
   epsilon = one_run_epsilon(included, scores, delta, alpha)
   verdict = ("uncertified" if certified is None
              else "VIOLATION" if epsilon > certified else "consistent")

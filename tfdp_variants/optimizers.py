@@ -18,80 +18,24 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import re
-import threading
 import warnings
-import weakref
 from typing import ClassVar, Optional
 
-from absl import logging
-import dp_accounting
 import tensorflow as tf
 
 from tfdp_variants import algorithms
 from tfdp_variants import per_example
+from tfdp_variants import private_step
 from tfdp_variants import replicas
 from tfdp_variants import sampling
 from tfdp_variants import stack
-from tfdp_variants import validation
-from tfdp_variants.per_example import self_check
-from tfdp_variants.per_example import trace
 
 
 def _options_of(algorithm_cls: type[algorithms.Algorithm]) -> tuple[str, ...]:
-  params = inspect.signature(algorithm_cls.__init__).parameters
-  return tuple(p for p in params if p not in ("self", "l2_norm_clip", "noise_multiplier"))
-
-
-def _copied(t) -> list:
-  """`t` and the tensors it copies through Identity ops (Keras' gradient aggregation adds them)."""
-  chain = [t]
-  while tf.is_symbolic_tensor(t) and t.op.type in ("Identity", "IdentityN"):
-    t = t.op.inputs[t.value_index]
-    chain.append(t)
-  return chain
-
-
-class _Released:
-  """The gradients one `compute_gradients` returned, by weak reference (nothing tracked or saved).
-
-  `apply_gradients` accepts these tensors and nothing else; under the LossScaleOptimizer that
-  called `compute_gradients`, the ones it unscaled from them. Eager tensors keep no history, so
-  there the unscaled values are computed here as the wrapper computes them, and compared.
-  """
-
-  def __init__(self, grads, variables, wrapper):
-    self._refs = weakref.WeakValueDictionary({id(g): g for g in grads})
-    self._wrapper = None if wrapper is None else weakref.ref(wrapper)
-    self._unscaled = {}
-    if wrapper is not None and tf.executing_eagerly():
-      inverse = 1.0 / wrapper.loss_scale
-      self._unscaled = {id(v): g * tf.cast(inverse, g.dtype) for g, v in zip(grads, variables)}
-
-  def _ours(self, t) -> bool:
-    return any(self._refs.get(id(c)) is c for c in _copied(t))
-
-  def accepts(self, grad, var, wrapper) -> bool:
-    if not isinstance(grad, tf.Tensor):
-      return False
-    if self._ours(grad):
-      return True
-    if self._wrapper is None or wrapper is not self._wrapper():
-      return False
-    if tf.is_symbolic_tensor(grad):  # The wrapper's g · (1/s).
-      op = _copied(grad)[-1].op
-      return op.type == "Mul" and any(self._ours(x) for x in op.inputs) and any(
-          x.shape.rank == 0 for x in op.inputs)
-    unscaled = self._unscaled.get(id(var))
-    return unscaled is not None and bool(tf.reduce_all(tf.equal(grad, unscaled)))
-
-
-class _Untracked:
-  """Values kept out of Keras' tracking (which would save variables in a list as the optimizer's)."""
-
-  def __init__(self):
-    self.items: list = []
+  params = inspect.signature(algorithm_cls.__init__).parameters.values()
+  return tuple(p.name for p in params if p.kind is not p.VAR_KEYWORD
+               and p.name not in ("self", "l2_norm_clip", "noise_multiplier"))
 
 
 class DPOptimizerMixin(stack.DPOptimizerMarker):
@@ -105,8 +49,8 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       noised sum is divided by it, not by the realized batch size, which the update would reveal
       un-noised. Needs num_microbatches None (a Poisson batch cannot be split into equal parts).
     noise_seed: None (default): the noise is secret, from OS entropy (`tfdp_variants.noise`). An
-      int makes it reproducible, for debugging only: then `privacy_guarantee` is "none" and
-      `step_event` None, since anyone who knows the seed can remove the noise.
+      int makes it reproducible, for debugging only: then `privacy_guarantee` is "none" and the
+      certified event None, since anyone who knows the seed can remove the noise.
     self_check: on the first step after each trace, compare the per-example gradients with exact
       ones and refuse models that mix examples (`per_example.self_check`); its steady-state cost
       is one variable read and a `tf.cond`. Under XLA (`jit_compile`), which cannot raise in a
@@ -118,6 +62,9 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       (every step of a `steps_per_execution` loop) and saved with the optimizer's state.
     dp_ledger: the segments of those steps, each with the sampling and events it ran under, saved
       likewise (`tfdp_variants.sampling.segments`; the privacy callbacks open them).
+
+  The step is a `private_step.PrivateStep`; this class adapts it to Keras (hooks, the release
+  guard's Keras side `_guarded`, serialization).
   """
 
   algorithm_cls: ClassVar[type[algorithms.Algorithm]] = algorithms.DPSGD
@@ -136,32 +83,19 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
                        "gradients are clipped at their true scale. Leave it None.")
     options = dict(self.default_options)
     options.update({k: kwargs.pop(k) for k in _options_of(self.algorithm_cls) if k in kwargs})
-    algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options)
-    if num_microbatches is not None and not (isinstance(num_microbatches, int)
-                                             and num_microbatches > 0):
-      raise ValueError(f"num_microbatches must be a positive int or None, got "
-                       f"{num_microbatches!r}.")
-    if expected_batch_size is not None:
-      if not (validation.is_finite_real(expected_batch_size) and expected_batch_size > 0):
-        raise ValueError(f"expected_batch_size must be a finite number > 0 or None, got "
-                         f"{expected_batch_size!r}: use q·N, the sampling rate times the number "
-                         "of training examples.")
-      if num_microbatches is not None:
-        raise ValueError("expected_batch_size (Poisson sampling: batches of varying size) cannot "
-                         "be used with num_microbatches: a varying batch cannot be split into "
-                         f"{num_microbatches} equal microbatches. Leave num_microbatches None "
-                         "(one example per microbatch).")
-    algorithm.expected_batch_size = (None if expected_batch_size is None
-                                     else float(expected_batch_size))
-    algorithm.noise.set_seed(noise_seed)
+    algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options,
+                                   expected_batch_size=expected_batch_size, noise_seed=noise_seed)
+    step = private_step.PrivateStep(algorithm, num_microbatches, self_check, type(self).__name__)
     if noise_seed is not None:
       warnings.warn(f"{type(self).__name__}: noise_seed={noise_seed} makes the DP noise "
                     "reproducible by anyone who knows the seed, who can then remove it: no privacy "
-                    "guarantee (privacy_guarantee='none', step_event None). Use it only to debug; "
-                    "leave noise_seed None to train privately.", stacklevel=2)
+                    "guarantee (privacy_guarantee='none', no certified event). Use it only to "
+                    "debug; leave noise_seed None to train privately.", stacklevel=2)
     kwargs.setdefault("name", type(self).__name__)
     super().__init__(**kwargs)
     self.algorithm = algorithm
+    self._dp = step
+    self.l2_norm_clip, self.noise_multiplier = algorithm.l2_norm_clip, algorithm.noise_multiplier
     self.privacy_guarantee = "none" if noise_seed is not None else algorithm.privacy_guarantee
     self.num_microbatches = num_microbatches
     self.expected_batch_size = algorithm.expected_batch_size
@@ -169,104 +103,30 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     self.self_check = self_check
     self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
     self.dp_ledger: Optional[tf.Variable] = None  # Likewise.
-    self.per_example_rules: Optional[tuple[str, ...]] = None
-    self._dp_released: dict[int, _Released] = {}  # By thread: a replica's (MirroredStrategy).
-    self._dp_mixing_calls = stack.eager_mixing_calls()
-    self._self_check_flags = _Untracked()  # A flag per trace (`per_example.self_check`).
-    self._algorithm_built = False
 
   @property
-  def l2_norm_clip(self) -> float:
-    return self.algorithm.l2_norm_clip
-
-  @property
-  def noise_multiplier(self) -> float:
-    return self.algorithm.noise_multiplier
-
-  def _refuse_eager_mixing(self) -> None:
-    """Refuses an eager step after a layer that mixes examples ran eagerly in training mode since
-    this optimizer's previous step (or its creation): no graph, so no self-check, can see it."""
-    calls = stack.eager_mixing_calls()
-    seen, self._dp_mixing_calls = self._dp_mixing_calls, calls
-    if calls > seen:
-      raise ValueError(
-          "A layer that mixes the examples of a batch (BatchNormalization in training mode) ran "
-          "eagerly since this optimizer's last step: per-example gradients, and the privacy "
-          "guarantee with them, are undefined. Use LayerNormalization/GroupNormalization "
-          "instead (or call it with training=False).")
+  def per_example_rules(self) -> Optional[tuple[str, ...]]:
+    """The per-example rule each variable took in the last traced step (None before one)."""
+    return self._dp.rules
 
   def raise_if_self_check_failed(self) -> None:
-    """Raises RuntimeError if the per-example self-check of a step has failed under XLA, where
-    it cannot raise in the step (its updates are NaN since); the privacy callbacks call this."""
-    if any(self_check.failed(flag) for flag in self._self_check_flags.items):
-      raise RuntimeError(self_check.XLA_FAILED)
+    """Raises RuntimeError if a step's self-check failed under XLA (the privacy callbacks ask)."""
+    self._dp.raise_if_self_check_failed()
 
-  def _replace_one(self, batch_size: Optional[int], replace_one: bool) -> bool:
-    """Whether one record may be replaced: asked for, or microbatches of possibly several
-    examples (one example each only when num_microbatches is None or equals the batch size)."""
-    return replace_one or (self.num_microbatches is not None
-                           and batch_size != self.num_microbatches)
-
-  def mechanism_event(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
-                      num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-                      ) -> Optional[dp_accounting.DpEvent]:
-    """The mechanism one step certifiably is, without sampling (None when nothing is proven).
-
-    Args:
-      batch_size: the (fixed) batch size, if known: with num_microbatches equal to it each
-        microbatch is one example. Otherwise microbatches count as several examples, whose
-        records may change entirely when one example is added or removed (sensitivity 2C).
-      replace_one: substitution adjacency (e.g. shuffled fixed-size batches).
-      num_layers, num_parameters: for per-layer algorithms and the tanh filter before `build`.
-    """
-    return self.algorithm.mechanism_event(
-        replace_one=self._replace_one(batch_size, replace_one), num_layers=num_layers,
-        num_parameters=num_parameters)
-
-  def nominal_mechanism_event(self, batch_size: Optional[int] = None, *,
-                              replace_one: bool = False, num_layers: Optional[int] = None,
-                              num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
-    """The mechanism the algorithm's paper accounts for one step (arguments as above)."""
-    return self.algorithm.nominal_mechanism_event(
-        replace_one=self._replace_one(batch_size, replace_one), num_layers=num_layers,
-        num_parameters=num_parameters)
-
-  def step_event(self, sampling_probability: float, batch_size: Optional[int] = None, *,
-                 replace_one: bool = False, num_layers: Optional[int] = None,
-                 num_parameters: Optional[int] = None) -> Optional[dp_accounting.DpEvent]:
-    """`mechanism_event` on a Poisson sample of rate q (None when there is no guarantee)."""
-    return self.algorithm.step_event(
-        sampling_probability, replace_one=self._replace_one(batch_size, replace_one),
-        num_layers=num_layers, num_parameters=num_parameters)
-
-  def nominal_step_event(self, sampling_probability: float, batch_size: Optional[int] = None, *,
-                         replace_one: bool = False, num_layers: Optional[int] = None,
-                         num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
-    """`nominal_mechanism_event` on a Poisson sample of rate q."""
-    return self.algorithm.nominal_step_event(
-        sampling_probability, replace_one=self._replace_one(batch_size, replace_one),
-        num_layers=num_layers, num_parameters=num_parameters)
-
-  def _add_state(self, name: str, initial_value) -> tf.Variable:
-    """An optimizer variable (saved with its state); the algorithm gets the `tf.Variable`."""
-    return per_example.as_tf_variable(
-        stack.add_state(self, name, tf.convert_to_tensor(initial_value)))
+  def events(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
+             num_layers: Optional[int] = None, num_parameters: Optional[int] = None
+             ) -> sampling.Events:
+    """One step's certified and nominal events, without sampling (`PrivateStep.events`)."""
+    return self._dp.events(batch_size, replace_one=replace_one, num_layers=num_layers,
+                           num_parameters=num_parameters)
 
   def _build_algorithm(self, var_list) -> None:
-    if not self._algorithm_built:
-      self._algorithm_built = True
-      self.algorithm.build([per_example.as_tf_variable(v) for v in var_list], self._add_state)
-      self.dp_steps = self._add_state("dp_steps", tf.constant(0, tf.int64))
-      self.dp_ledger = self._add_state("dp_ledger",
-                                       tf.zeros([sampling.LEDGER_CAPACITY], tf.int32))
-
-  def _privatize(self, grads) -> list[tf.Tensor]:
-    """The algorithm's noised step; `dp_steps` counts it in the same graph, once its noise is
-    drawn (not before: a call whose data never arrives, e.g. an exhausted iterator, counts none)."""
-    privatized = self.algorithm(grads)
-    with tf.control_dependencies(privatized):  # A stateful op: tf.function always runs it.
-      self.dp_steps.assign_add(1)
-    return privatized
+    """The algorithm's state, `dp_steps` and `dp_ledger` as optimizer variables, once."""
+    if self.dp_steps is None:
+      add = lambda name, value: per_example.as_tf_variable(
+          stack.add_state(self, name, tf.convert_to_tensor(value)))
+      self.dp_steps = self._dp.build([per_example.as_tf_variable(v) for v in var_list], add)
+      self.dp_ledger = add("dp_ledger", tf.zeros([sampling.LEDGER_CAPACITY], tf.int32))
 
   def build(self, var_list):
     """Keras optimizer API: the base class' slots, then the algorithm's state."""
@@ -278,109 +138,20 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     super()._create_slots(var_list)
     self._build_algorithm(var_list)
 
-  def _privatize_scaled(self, grads: per_example.PerExampleGradients,
-                        loss_scale: tf.Tensor) -> list[tf.Tensor]:
-    """Under a LossScaleOptimizer: the privatized gradient of the unscaled loss, or NaN when a
-    scaled gradient overflowed, so that the wrapper skips the step and lowers its scale."""
-    finite = grads.all_finite  # Before the engine zeroed the non-finite rows.
-    grads = stack.UnscaledGradients(grads, loss_scale)
-    skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
-    return tf.cond(finite, lambda: self._privatize(grads), skipped)
-
   def _dp_gradients(self, loss, var_list, tape) -> list[tuple[tf.Tensor, tf.Variable]]:
-    """(privatized gradient, variable) pairs for the per-example `loss` (see `compute_gradients`).
-
-    The DP step as named steps: the step's inputs → per-example gradients (the engine) → the
-    algorithm (clip, sum, noise with its event, normalize, its state updates: `_privatize`) →
-    the model's data-independent losses → release (the only gradients `apply_gradients` takes).
-    """
-    loss, var_list, tape = self._step_inputs(loss, var_list, tape)
-    model = validation.training_model()
-    wrapper = stack.loss_scale_wrapper(self)  # It scaled `loss` (mixed precision).
-    grads = self._per_example_gradients(loss, var_list, tape, model)
-    if wrapper is None:
-      privatized = self._privatize(grads)
-    else:
-      privatized = self._privatize_scaled(grads, wrapper.loss_scale)
-    privatized = self._add_model_losses(privatized, grads.variables, model)
-    if wrapper is not None:  # The wrapper divides by its scale.
-      privatized = [g * tf.cast(wrapper.loss_scale, g.dtype) for g in privatized]
-    return self._release(privatized, var_list, wrapper)
-
-  def _step_inputs(self, loss, var_list, tape) -> tuple:
-    """The loss, variables and tape of a step, callables called; refuses a step without
-    trainable variables, an eager step without its tape, or under an unsupported strategy, and
-    builds the optimizer's state outside the traced step (as Keras does)."""
-    replicas.check_strategy(type(self).__name__)
-    if callable(loss):
-      tape = tape if tape is not None else tf.GradientTape()
-      with tape:
-        loss = loss()
-    var_list = tf.nest.flatten(var_list() if callable(var_list) else var_list)
-    if not var_list:
-      raise ValueError(f"{type(self).__name__} was given no trainable variables, so there is "
-                       "nothing to train. Build the model before training and leave some layers "
-                       "trainable (layer.trainable = True).")
-    if tape is None and tf.executing_eagerly():
-      raise ValueError("`tape` is required when a Tensor loss is passed eagerly.")
-    if tf.executing_eagerly():
-      self._refuse_eager_mixing()
-      logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
-                          "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
-                          1, type(self).__name__)
+    """(privatized gradient, variable) pairs for the per-example `loss`: the step enters here,
+    its context is gathered once, and the optimizer's state is built outside the trace."""
+    loss, var_list, tape = self._dp.inputs(loss, var_list, tape)
     with tf.init_scope():
       stack.build_optimizer(self, var_list)
-    return loss, var_list, tape
-
-  def _per_example_gradients(self, loss, var_list, tape, model) -> per_example.PerExampleGradients:
-    """The engine's per-microbatch gradients, with the in-step self-check unless `fit` ran it on
-    a synthetic batch (`preflight`) and this trace takes the rules that check passed with."""
-    tf_vars = [per_example.as_tf_variable(v) for v in var_list]
-    inputs = stack.fit_inputs(model) if model is not None else None
-    grads = per_example.compute(loss, tf_vars,
-                                replicas.local_count(self.num_microbatches, type(self).__name__),
-                                tape, self.self_check,
-                                checked_rules=None if inputs is None else inputs.prechecked)
-    self.per_example_rules = tuple(grads.rules)
-    if grads.self_check_flag is not None:
-      self._self_check_flags.items.append(grads.self_check_flag)
-    slow = [v.name for v, rule in zip(tf_vars, grads.rules) if rule == "fallback"]
-    if slow and not tf.executing_eagerly():
-      logging.info("%s: these variables have no per-example rule and take the exact Jacobian "
-                   "fallback (slower): %s", type(self).__name__, ", ".join(slow))
-    return grads
-
-  @staticmethod
-  def _add_model_losses(privatized: list[tf.Tensor], tf_vars, model) -> list[tf.Tensor]:
-    """Adds the gradient of the model's losses that depend on no data (weight regularizers),
-    after privatization and unclipped (`stack.model_losses_left`)."""
-    regularizers = stack.model_losses_left(model)
-    if not regularizers:
-      return privatized
-    dtype = max((t.dtype for t in regularizers), key=lambda d: d.size)
-    total = tf.add_n([tf.cast(t, dtype) for t in regularizers])
-    return [p if g is None else p + tf.cast(tf.convert_to_tensor(g), p.dtype)
-            for p, g in zip(privatized, tf.gradients(total, tf_vars))]
-
-  def _release(self, privatized: list[tf.Tensor], var_list, wrapper
-               ) -> list[tuple[tf.Tensor, tf.Variable]]:
-    """The step's output: marked released for the mixing analysis (a later step in this graph
-    may read what it updates) and remembered as what `apply_gradients` may take."""
-    trace.mark_released(privatized)
-    self._dp_released[threading.get_ident()] = _Released(privatized, var_list, wrapper)
-    return list(zip(privatized, var_list))
+    return self._dp.run(private_step.StepContext.of(self), loss, var_list, tape)
 
   def compute_gradients(self, loss, var_list, tape=None) -> list[tuple[tf.Tensor, tf.Variable]]:
-    """Privatized (gradient, variable) pairs for a custom training loop, on every stack.
-
-    Args:
-      loss: per-example losses, shape (B,) or (B, ...) (reduction="none"); or a callable
-        returning them.
-      var_list: the variables to train (e.g. `model.trainable_variables`).
-      tape: the GradientTape that recorded `loss`: needed eagerly; in a `tf.function` the engine
-        reads the traced graph instead.
-
-    Pass the result unchanged to `apply_gradients`, which accepts nothing else.
+    """Privatized (gradient, variable) pairs for a custom training loop, on every stack, for
+    `loss`: per-example losses (reduction="none"), or a callable returning them; `var_list`: the
+    variables to train; `tape`: the GradientTape that recorded `loss` (needed eagerly; in a
+    `tf.function` the engine reads the traced graph). Pass the result unchanged to
+    `apply_gradients`, which accepts nothing else.
 
     Example:
       >>> with tf.GradientTape() as tape:
@@ -413,10 +184,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     replicas.check_strategy(type(self).__name__)
     stack.check_step_settings(self)
     grads, variables = list(grads), list(variables)
-    wrapper = stack.loss_scale_wrapper(self)
-    released = self._dp_released.get(threading.get_ident())
-    raw = [stack.variable_name(v) for g, v in zip(grads, variables)
-           if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
+    raw = self._dp.unreleased(grads, variables, stack.loss_scale_wrapper(self))
     if not raw:
       return grads
     loss = stack.remembered_loss(self, grads)

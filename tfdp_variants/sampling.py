@@ -5,7 +5,7 @@ Sampling is part of the guarantee:
 - ``"poisson"``: each example joins each step independently with probability q = batch_size / N
   (`batch_size` is the expected size qN), decided by a generator seeded from OS entropy
   (`tfdp_variants.data.poisson_dataset`). Subsampling amplification holds; adjacency: add or remove
-  one example. Each step is the optimizer's `step_event(q)`. Divide by the expected batch size
+  one example. Each step is the optimizer's `events().poisson(q)`. Divide by the expected batch size
   (the optimizers' `expected_batch_size`), never by the realized one, which the update would reveal.
 - ``"shuffle"``: each epoch a permutation of the data cut into batches of `batch_size` (`fit` on
   arrays, `Dataset.shuffle(...).batch(...)`). No amplification theorem covers the subsampled-
@@ -14,7 +14,7 @@ Sampling is part of the guarantee:
   epoch each example is in exactly one batch, so an epoch is one Gaussian mechanism per example, and
   the epochs compose (a started epoch counts whole). Adjacency: replace one example (the other
   examples keep their batches), under which a sum of vectors clipped to C changes by up to 2C:
-  `mechanism_event(replace_one=True)`. The Poisson-assumed number (q = B/N per step) is reported
+  `events(replace_one=True)`. The Poisson-assumed number (q = B/N per step) is reported
   beside it as nominal, never as certified.
 
 A Poisson sample from a known seed (`secret=False`) is no secret, so it gets no amplification
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Callable, Optional, Protocol, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import dp_accounting
 import numpy as np
@@ -49,21 +49,27 @@ KINDS = ("poisson", "shuffle")
 ADJACENCY = {"poisson": "add/remove one example", "shuffle": "replace one example"}
 
 
+class Events(NamedTuple):
+  """What one step costs in privacy: `certified`, the mechanism it provably is (None when nothing
+  is proven), and `nominal`, the one its paper accounts (the certified one when there is one)."""
+
+  certified: Optional[dp_accounting.DpEvent]
+  nominal: dp_accounting.DpEvent
+
+  def poisson(self, sampling_probability: float) -> "Events":
+    """Both on a Poisson sample of rate q (subsampling amplification; unchanged when q == 1)."""
+    return Events(None if self.certified is None
+                  else accounting.poisson_sampled(self.certified, sampling_probability),
+                  accounting.poisson_sampled(self.nominal, sampling_probability))
+
+
 class StepEvents(Protocol):
-  """What a DP optimizer says of one step (`tfdp_variants.optimizers.DPOptimizerMixin`, whose
-  signatures these are)."""
+  """What a DP optimizer says of one step (`tfdp_variants.optimizers.DPOptimizerMixin.events`):
+  its certified and nominal events without sampling, which this module adds."""
 
-  def step_event(self, sampling_probability: float, batch_size: Optional[float] = None, *,
-                 replace_one: bool = False, num_layers: Optional[int] = None,
-                 num_parameters: Optional[int] = None) -> Optional[dp_accounting.DpEvent]: ...
-
-  def nominal_step_event(self, sampling_probability: float, batch_size: Optional[float] = None,
-                         *, replace_one: bool = False, num_layers: Optional[int] = None,
-                         num_parameters: Optional[int] = None) -> dp_accounting.DpEvent: ...
-
-  def mechanism_event(self, batch_size: Optional[float] = None, *, replace_one: bool = False,
-                      num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-                      ) -> Optional[dp_accounting.DpEvent]: ...
+  def events(self, batch_size: Optional[float] = None, *, replace_one: bool = False,
+             num_layers: Optional[int] = None, num_parameters: Optional[int] = None
+             ) -> Events: ...
 
 
 def _sizes(variables: Optional[Sequence[tf.Variable]]) -> dict[str, int]:
@@ -222,14 +228,12 @@ def _segment_events(optimizer: StepEvents, sampling: Sampling, variables
                     ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
   """(certified unit, nominal step) events of `optimizer` under `sampling` (see `Segment`)."""
   sizes = _sizes(variables)
+  events = optimizer.events(sampling.batch_size, **sizes)
   if sampling.kind == "shuffle":
-    unit = optimizer.mechanism_event(replace_one=True, **sizes)
+    unit = optimizer.events(replace_one=True, **sizes).certified
   else:
-    q = sampling.sampling_probability if sampling.secret else 1.0
-    unit = optimizer.step_event(q, sampling.batch_size, **sizes)
-  nominal = optimizer.nominal_step_event(sampling.sampling_probability, sampling.batch_size,
-                                         **sizes)
-  return unit, nominal
+    unit = events.poisson(sampling.sampling_probability if sampling.secret else 1.0).certified
+  return unit, events.poisson(sampling.sampling_probability).nominal
 
 
 def _segment(optimizer: StepEvents, sampling: Sampling, steps: int, variables) -> Segment:
@@ -297,8 +301,8 @@ def epsilons(optimizer: StepEvents, sampling: Sampling, steps: int, delta: float
 # Keras 3 saves only numeric optimizer variables, so the ledger is the UTF-8 bytes of a JSON
 # document, one byte per element of an int32 variable of LEDGER_CAPACITY elements (zero-padded):
 # {"configs": [config, ...], "rows": [[config index, start], ...]}. A config holds the sampling and
-# the unit and nominal events (`Segment`), computed by the optimizer's own `mechanism_event` /
-# `step_event` when the privacy callbacks open the segment; index -1 marks unregistered steps. A
+# the unit and nominal events (`Segment`), computed from the optimizer's own `events` when the
+# privacy callbacks open the segment; index -1 marks unregistered steps. A
 # row holds the steps from its start to the next row's (the last: to `dp_steps`), counted in the
 # graph that draws the noise. About 40 configurations and 500 rows fit; a ledger that cannot take
 # one more is refused (`open_segment` raises), never truncated.
@@ -326,7 +330,7 @@ def _write_ledger(optimizer, ledger: dict) -> None:
 
 
 def _unregistered_config(optimizer, variables) -> dict:
-  nominal = optimizer.nominal_mechanism_event(**_sizes(variables))
+  nominal = optimizer.events(**_sizes(variables)).nominal
   return {"sampling": None, "unit": None, "nominal": accounting.event_to_dict(nominal)}
 
 

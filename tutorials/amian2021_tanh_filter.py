@@ -8,7 +8,7 @@ added to the sum, and ε is accounted as for DP-SGD with sensitivity 1.
 Claim reproduced: at the same (nominal) ε the tanh filter reaches higher accuracy than DP-SGD
 (Figs. 2-3), and a larger k ("active range", Figs. 4-5) is more stable but less accurate.
 The nominal ε is NOT a guarantee: f(g) has L2 norm up to c·√n (n = trainable parameters), so the
-same noise certifies only the ε of noise multiplier σ/(c·√n) (the optimizer's `step_event`),
+same noise certifies only the ε of noise multiplier σ/(c·√n) (the optimizer's certified `events()`),
 which this tutorial reports next to the paper's number.
 
 Sampling: Poisson (`data.poisson_dataset`): each example joins each step independently with

@@ -1,7 +1,7 @@
 r"""Audit DP-SGD and the five papers' algorithms with gradient canaries: how far past its nominal ε?
 
 Each optimizer's nominal claim is the ε (and Gaussian-DP μ) its paper accounts for one step
-(`nominal_mechanism_event`); for the certified ones it is their proven event (for one step of a
+(`events().nominal`); for the certified ones it is their proven event (for one step of a
 composed event, its gradient query: the score reads only the gradient). `tfdp_variants.audit`
 measures, on a tiny linear model, the update's projection on a canary's gradient direction with
 the canary in the batch and without it (`audit.audit`, white-box gradient canaries after Nasr et

@@ -122,8 +122,9 @@ class AdaptiveClip(base.Algorithm):
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, alpha: float = 1.0,
                beta: float = 2.0, norm_noise_multiplier: float = 2.5,
-               initial_l2_norm_clips: Optional[Sequence[float]] = None):
-    super().__init__(l2_norm_clip, noise_multiplier)
+               initial_l2_norm_clips: Optional[Sequence[float]] = None,
+               **common):
+    super().__init__(l2_norm_clip, noise_multiplier, **common)
     for name, value in (("alpha", alpha), ("beta", beta)):
       if not (isinstance(value, (int, float)) and 0 < value < math.inf):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r} (paper default: "

@@ -3,10 +3,9 @@
 An `Algorithm` takes the engine's `PerExampleGradients` and returns the gradient the base Keras
 optimizer applies, composing the small steps of `tfdp_variants.transforms`. Its noise comes from
 its `noise.GaussianSumQuery`s, built once from its secret `noise.NoiseSource`; the same queries say
-what a step costs in privacy: `mechanism_event` is the mechanism one step certifiably is (None when
-the algorithm has no proven guarantee, or its noise was made reproducible) and
-`nominal_mechanism_event` the one its paper accounts; `step_event` and `nominal_step_event` are
-these on a Poisson sample.
+what a step costs in privacy, asked once (`events`): the mechanism one step certifiably is (None
+when the algorithm has no proven guarantee, or its noise was made reproducible) and the one its
+paper accounts; `sampling.Events.poisson` puts both on a Poisson sample (its amplification).
 
 Sensitivity: with one example per microbatch, adding or removing it adds or removes one
 record. With several, it changes one microbatch's record, which may then differ by the record's
@@ -23,6 +22,7 @@ import tensorflow as tf
 from tfdp_variants import accounting
 from tfdp_variants import noise
 from tfdp_variants import replicas
+from tfdp_variants import sampling
 from tfdp_variants import validation
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -44,14 +44,20 @@ class Algorithm:
   """Base class. Subclasses set `name` and `class_prefix` and implement `__call__`.
 
   The keyword arguments of a subclass' `__init__` beyond `l2_norm_clip` and `noise_multiplier`
-  are its options: they become keyword arguments of its optimizers and entries of their config.
+  (and the `**common` it passes on here) are its options: they become keyword arguments of its
+  optimizers and entries of their config.
+
+  Args:
+    l2_norm_clip: C. noise_multiplier: σ.
+    expected_batch_size: when set (Poisson sampling, q·N), the noised sum is divided by it rather
+      than by the realized number of microbatches, which the update would reveal un-noised.
+    noise_seed: None: secret noise. An int: reproducible noise, for debugging only (no event is
+      certified: whoever knows the seed can remove the noise).
 
   Attributes:
-    noise: the `noise.NoiseSource` of every draw (secret unless the optimizer got `noise_seed`).
+    noise: the `noise.NoiseSource` of every draw.
     gradient_query: the Gaussian sum query of the gradients, N(0, (σ·C)² I) on a sum of vectors
       clipped to C (subclasses with another bound replace it in their `__init__`).
-    expected_batch_size: when set (Poisson sampling), the noised sum is divided by it rather than
-      by the realized number of microbatches, which the update would reveal un-noised.
     num_layers, num_parameters: the trainable variables' count and total size, set by `build`.
   """
 
@@ -59,13 +65,19 @@ class Algorithm:
   class_prefix: ClassVar[str]  # Optimizer class names are class_prefix + base name, e.g. DPAdam.
   privacy_guarantee: str = "certified"
 
-  def __init__(self, l2_norm_clip: float, noise_multiplier: float):
+  def __init__(self, l2_norm_clip: float, noise_multiplier: float, *,
+               expected_batch_size: Optional[float] = None, noise_seed: Optional[int] = None):
     validation.check_clip_and_noise(l2_norm_clip, noise_multiplier)
+    if expected_batch_size is not None and not (validation.is_finite_real(expected_batch_size)
+                                                and expected_batch_size > 0):
+      raise ValueError(f"expected_batch_size must be a finite number > 0 or None, got "
+                       f"{expected_batch_size!r}: use q·N, the sampling rate times the number "
+                       "of training examples.")
     self.l2_norm_clip = float(l2_norm_clip)
     self.noise_multiplier = float(noise_multiplier)
-    self.noise = noise.NoiseSource()
+    self.noise = noise.NoiseSource(noise_seed)
     self.gradient_query = noise.GaussianSumQuery(self.noise, self.noise_multiplier)
-    self.expected_batch_size: Optional[float] = None
+    self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
     self.num_layers: Optional[int] = None
     self.num_parameters: Optional[int] = None
 
@@ -132,9 +144,16 @@ class Algorithm:
     del num_layers, num_parameters  # DP-SGD's event depends on neither.
     return self.gradient_query.event(replace_one=replace_one)
 
-  def mechanism_event(self, *, replace_one: bool = False, num_layers: Optional[int] = None,
-                      num_parameters: Optional[int] = None) -> Optional[dp_accounting.DpEvent]:
-    """The mechanism one step certifiably is, without sampling; None when nothing is proven.
+  def _nominal_event(self, replace_one: bool, num_layers: Optional[int],
+                     num_parameters: Optional[int]) -> dp_accounting.DpEvent:
+    """The mechanism the paper accounts for one step: the certified one when there is one, else
+    DP-SGD's Gaussian of σ, at the same sensitivity rule (`replace_one`) as every other event."""
+    event = self._certified_event(replace_one, num_layers, num_parameters)
+    return event if event is not None else self.gradient_query.event(replace_one=replace_one)
+
+  def events(self, *, replace_one: bool = False, num_layers: Optional[int] = None,
+             num_parameters: Optional[int] = None) -> sampling.Events:
+    """One step's certified and nominal mechanisms, without sampling (`sampling.Events`).
 
     Args:
       replace_one: one record's contribution may be replaced rather than added or removed (a
@@ -142,37 +161,10 @@ class Algorithm:
       num_layers: K, the number of trainable variables, for per-layer algorithms before `build`.
       num_parameters: n, their total size, for the tanh filter before `build`.
 
-    None also when the noise was made reproducible (`noise_seed`): then nothing is secret.
-    An algorithm whose published guarantee is "none" may still have a (loose) certified event,
-    e.g. the tanh filter's at its true sensitivity.
+    The certified event is None also when the noise was made reproducible (`noise_seed`): then
+    nothing is secret. An algorithm whose published guarantee is "none" may still have a (loose)
+    certified event, e.g. the tanh filter's at its true sensitivity.
     """
-    if self.noise.reproducible:
-      return None
-    return self._certified_event(replace_one, num_layers, num_parameters)
-
-  def nominal_mechanism_event(self, *, replace_one: bool = False,
-                              num_layers: Optional[int] = None,
-                              num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
-    """The mechanism the paper accounts for one step (the certified one when there is one).
-
-    Algorithms without a certified event are accounted as DP-SGD's Gaussian of σ, at the same
-    sensitivity rule (`replace_one`) as every other event.
-    """
-    event = self._certified_event(replace_one, num_layers, num_parameters)
-    return event if event is not None else self.gradient_query.event(replace_one=replace_one)
-
-  def step_event(self, sampling_probability: float, *, replace_one: bool = False,
-                 num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-                 ) -> Optional[dp_accounting.DpEvent]:
-    """`mechanism_event` on a Poisson sample of rate q; None when nothing is proven."""
-    event = self.mechanism_event(replace_one=replace_one, num_layers=num_layers,
-                                 num_parameters=num_parameters)
-    return None if event is None else accounting.poisson_sampled(event, sampling_probability)
-
-  def nominal_step_event(self, sampling_probability: float, *, replace_one: bool = False,
-                         num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-                         ) -> dp_accounting.DpEvent:
-    """`nominal_mechanism_event` on a Poisson sample of rate q."""
-    return accounting.poisson_sampled(
-        self.nominal_mechanism_event(replace_one=replace_one, num_layers=num_layers,
-                                     num_parameters=num_parameters), sampling_probability)
+    certified = (None if self.noise.reproducible
+                 else self._certified_event(replace_one, num_layers, num_parameters))
+    return sampling.Events(certified, self._nominal_event(replace_one, num_layers, num_parameters))

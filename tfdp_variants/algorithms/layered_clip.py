@@ -38,8 +38,8 @@ class LayeredClip(base.Algorithm):
   paper's Σ_i N(0, σ² C̄_i² I) is sampled as the one Gaussian it equals.
 
   Heuristic mode (the paper's, default): `l2_norm_clip` is not used; the guarantee is heuristic,
-  since the threshold and the noise scale depend on the example's own gradient; `step_event` is
-  None and `nominal_step_event` the Gaussian of σ the paper accounts.
+  since the threshold and the noise scale depend on the example's own gradient; its certified
+  event is None and its nominal one the Gaussian of σ the paper accounts.
 
   Certified mode (`certified=True`): C_Mi is capped at C_max/√K with the public C_max =
   `l2_norm_clip`, so ||clip_layers(g_i)|| ≤ C_max, and the noise is N(0, σ² C_max² I): a
@@ -59,8 +59,9 @@ class LayeredClip(base.Algorithm):
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                total_steps: Optional[int] = None, beta: Optional[float] = None,
-               certified: bool = False):
-    super().__init__(l2_norm_clip, noise_multiplier)
+               certified: bool = False,
+               **common):
+    super().__init__(l2_norm_clip, noise_multiplier, **common)
     if not isinstance(certified, bool):
       raise ValueError(f"certified must be True or False, got {certified!r}.")
     if total_steps is not None and beta is not None:

@@ -1,8 +1,8 @@
 """Noisy Gradient (Lin et al. 2020, Algorithm 1): noise each gradient, then clip it.
 
 `order="noise_then_clip"` (AC) is the paper's proposal. It has no privacy guarantee: noise added to
-an unbounded gradient bounds nothing, so `step_event` is None; `nominal_step_event` is still the
-subsampled Gaussian the paper reports. `order="clip_then_noise"` (CA) is DP-SGD, as the paper's
+an unbounded gradient bounds nothing, so its certified event is None; its nominal one is still
+the subsampled Gaussian the paper reports. `order="clip_then_noise"` (CA) is DP-SGD, as the paper's
 Section 4.2 defines it, and certified.
 
 AC as written draws one full-size Gaussian per microbatch (M × P normals, 419M a step for the paper
@@ -116,8 +116,9 @@ class NoisyGradient(base.Algorithm):
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                order: str = "noise_then_clip", noise_sampling: str = "projected",
-               chunk_size: Optional[int] = None):
-    super().__init__(l2_norm_clip, noise_multiplier)
+               chunk_size: Optional[int] = None,
+               **common):
+    super().__init__(l2_norm_clip, noise_multiplier, **common)
     if noise_sampling not in NOISE_SAMPLINGS:
       raise ValueError(f"noise_sampling must be one of {NOISE_SAMPLINGS}, got "
                        f"{noise_sampling!r}: 'projected' is fast and exact in distribution, "

@@ -60,8 +60,9 @@ class QuantileClip(base.Algorithm):
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, quantile: float = 0.5,
                per_layer: bool = False, method: str = "direct", clip_learning_rate: float = 0.2,
                clipped_count_stddev: Optional[float] = None,
-               expected_num_records: Optional[int] = None, geometric_update: bool = True):
-    super().__init__(l2_norm_clip, noise_multiplier)
+               expected_num_records: Optional[int] = None, geometric_update: bool = True,
+               **common):
+    super().__init__(l2_norm_clip, noise_multiplier, **common)
     if not 0 < quantile < 1:
       raise ValueError(f"quantile must be in (0, 1), got {quantile!r}; the paper uses 0.5.")
     if method not in METHODS:

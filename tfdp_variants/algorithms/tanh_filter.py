@@ -4,8 +4,8 @@ Each microbatch gradient passes elementwise through the filter f(x) = c·tanh(x/
 clipping, and noise N(0, σ² I) is added to the filtered sum. The paper accounts the step as DP-SGD
 with sensitivity 1, but f(g) can have L2 norm up to c·√n (n trainable parameters; Section III-A),
 so as published the step has no guarantee at the paper's ε. Both numbers are reported:
-`nominal_step_event` is the paper's (Gaussian, noise multiplier σ), `step_event` the one the step
-certifiably is (noise multiplier σ/(c·√n); σ/(2c·√n) with several examples per microbatch).
+`events` gives the paper's as nominal (Gaussian, noise multiplier σ) and, as certified, what the
+step certifiably is (noise multiplier σ/(c·√n); σ/(2c·√n) with several examples per microbatch).
 With `certified=True`, f(g) is also clipped to C and the noise is N(0, σ²C² I): DP-SGD's
 guarantee at σ.
 
@@ -68,8 +68,9 @@ class TanhFilter(base.Algorithm):
   privacy_guarantee = "none"
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, output_range: float = 1.0,
-               active_range: float = 1.0, certified: bool = False, chunk_size: Optional[int] = None):
-    super().__init__(l2_norm_clip, noise_multiplier)
+               active_range: float = 1.0, certified: bool = False, chunk_size: Optional[int] = None,
+               **common):
+    super().__init__(l2_norm_clip, noise_multiplier, **common)
     for option, value in (("output_range", output_range), ("active_range", active_range)):
       if not (isinstance(value, (int, float)) and 0 < value < math.inf):
         raise ValueError(f"{option} must be a finite number > 0, got {value!r} (paper default "
@@ -133,9 +134,8 @@ class TanhFilter(base.Algorithm):
     return self.gradient_query.event(replace_one=replace_one,
                                      num_blocks=self._parameters(num_parameters))
 
-  def nominal_mechanism_event(self, *, replace_one: bool = False,
-                              num_layers: Optional[int] = None,
-                              num_parameters: Optional[int] = None) -> dp_accounting.DpEvent:
+  def _nominal_event(self, replace_one: bool, num_layers: Optional[int],
+                     num_parameters: Optional[int]) -> dp_accounting.DpEvent:
     """The paper's accounting: DP-SGD's Gaussian of σ, as if the sensitivity were 1 (Section
     IV-B); σ/2 when a record may be replaced."""
     del num_layers, num_parameters

@@ -3,11 +3,11 @@ three stacks (TF 2.21 + Keras 3, the default; TF 2.21 + tf-keras under `TF_USE_L
 TF 2.15 + Keras 2) is in this package, and nothing outside it asks which Keras runs.
 
 - `version`: which Keras (`KERAS_3`, `keras`, its LossScaleOptimizer and optimizer bases);
-- `keras3`, `keras2`: each version's hooks, one API; `chosen` picks one, once, at import;
+- `keras3`, `keras2`: each version's hooks, one API (`hooks.KerasHooks`); `chosen` picks one,
+  once, at import;
 - `marker`: the DP optimizers' marker class, `unwrap`, `is_dp`;
 - `model_loss`, `fit`, `eager_mixing`: what a DP model's `compute_loss`, `fit` and mixing layers
   do differently; `patches.install()` applies them (idempotent, called by `tfdp_variants`);
-- `loss_scale`: per-example gradients of a scaled loss (Keras 2's mixed precision);
 - `serialization`: one registered name for every DP optimizer class; `settings`: Keras optimizer
   settings a DP step refuses.
 
@@ -28,7 +28,6 @@ from tfdp_variants.stack.chosen import why_no_loss
 from tfdp_variants.stack.eager_mixing import eager_mixing_calls
 from tfdp_variants.stack.fit import fit_inputs
 from tfdp_variants.stack.fit import FitInputs
-from tfdp_variants.stack.loss_scale import UnscaledGradients
 from tfdp_variants.stack.marker import DPOptimizerMarker
 from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.marker import unwrap

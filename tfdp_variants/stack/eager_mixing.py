@@ -1,6 +1,6 @@
 """Counts the training-mode calls of layers that mix examples (`validation.MIXING_LAYERS`) run
 eagerly: an eager step has no graph to check, so a DP optimizer refuses an eager step if the count
-grew since its previous one (`optimizers.DPOptimizerMixin._refuse_eager_mixing`)."""
+grew since its previous one (`private_step.PrivateStep.inputs`)."""
 
 from __future__ import annotations
 

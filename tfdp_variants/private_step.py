@@ -1,0 +1,276 @@
+"""One private step as named steps, apart from Keras (as Opacus' `DPOptimizer.pre_step` and JAX
+Privacy's execution plan keep the private update apart from the optimizer it feeds).
+
+`PrivateStep.run` is the DP step of Abadi et al. 2016 (Algorithm 1) for any algorithm box:
+
+  inputs → per-example gradients (the engine) → privatize (the algorithm: clip, sum, noise with its
+  event, normalize, its state updates) → the model's data-independent losses → release
+
+and returns the (gradient, variable) pairs it released; `released` is what `apply_gradients` may
+take. What a step's stages read besides the loss is one `StepContext`, gathered where the step
+enters (`optimizers.DPOptimizerMixin`) and passed down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+from typing import Optional
+
+from absl import logging
+import tensorflow as tf
+
+from tfdp_variants import algorithms
+from tfdp_variants import per_example
+from tfdp_variants import replicas
+from tfdp_variants import sampling
+from tfdp_variants import stack
+from tfdp_variants import validation
+from tfdp_variants.per_example import loss_scale
+from tfdp_variants.per_example import self_check
+from tfdp_variants.per_example import trace
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """What one step's stages read besides its loss and variables.
+
+  Attributes:
+    model: the Keras model whose `train_step` traces this step (None in a custom loop). Keras
+      calls the optimizer without it, so it is found on the call stack
+      (`validation.training_model`), once, here.
+    fit: that model's running `fit` (`stack.FitInputs`: the rules its preflight proved), or None.
+    wrapper: the LossScaleOptimizer that scaled the loss (Keras 2's mixed precision), or None.
+  """
+
+  model: Optional[object]
+  fit: Optional[stack.FitInputs]
+  wrapper: Optional[object]
+
+  @classmethod
+  def of(cls, optimizer) -> "StepContext":
+    """The context of the step `optimizer` is asked for now."""
+    model = validation.training_model()
+    return cls(model, None if model is None else stack.fit_inputs(model),
+               stack.loss_scale_wrapper(optimizer))
+
+
+def _copied(t) -> list:
+  """`t` and the tensors it copies through Identity ops (Keras' gradient aggregation adds them)."""
+  chain = [t]
+  while tf.is_symbolic_tensor(t) and t.op.type in ("Identity", "IdentityN"):
+    t = t.op.inputs[t.value_index]
+    chain.append(t)
+  return chain
+
+
+class Released:
+  """The gradients one step released, by weak reference (nothing tracked or saved).
+
+  `apply_gradients` accepts these tensors and nothing else; under the LossScaleOptimizer that
+  called `compute_gradients`, the ones it unscaled from them. Eager tensors keep no history, so
+  there the unscaled values are computed here as the wrapper computes them, and compared.
+  """
+
+  def __init__(self, grads, variables, wrapper):
+    self._refs = weakref.WeakValueDictionary({id(g): g for g in grads})
+    self._wrapper = None if wrapper is None else weakref.ref(wrapper)
+    self._unscaled = {}
+    if wrapper is not None and tf.executing_eagerly():
+      inverse = 1.0 / wrapper.loss_scale
+      self._unscaled = {id(v): g * tf.cast(inverse, g.dtype) for g, v in zip(grads, variables)}
+
+  def _ours(self, t) -> bool:
+    return any(self._refs.get(id(c)) is c for c in _copied(t))
+
+  def accepts(self, grad, var, wrapper) -> bool:
+    if not isinstance(grad, tf.Tensor):
+      return False
+    if self._ours(grad):
+      return True
+    if self._wrapper is None or wrapper is not self._wrapper():
+      return False
+    if tf.is_symbolic_tensor(grad):  # The wrapper's g · (1/s).
+      op = _copied(grad)[-1].op
+      return op.type == "Mul" and any(self._ours(x) for x in op.inputs) and any(
+          x.shape.rank == 0 for x in op.inputs)
+    unscaled = self._unscaled.get(id(var))
+    return unscaled is not None and bool(tf.reduce_all(tf.equal(grad, unscaled)))
+
+
+class PrivateStep:
+  """The private step of one DP optimizer: its algorithm (with its noise) and the step's settings.
+
+  Args:
+    algorithm: the algorithm box, built complete (noise seed and expected batch size included).
+    num_microbatches: M; None means one microbatch per example.
+    self_check: run the engine's self-check on the first step after each trace.
+    owner: the optimizer's class name, for messages.
+
+  Attributes:
+    steps: the int64 counter of privatized steps (made by `build`).
+    rules: the per-example rule each variable took in the last traced step.
+    self_check_flags: the self-check's flag of each trace that runs it in the step.
+  """
+
+  def __init__(self, algorithm: algorithms.Algorithm, num_microbatches: Optional[int],
+               self_check: bool, owner: str):
+    if num_microbatches is not None and not (isinstance(num_microbatches, int)
+                                             and num_microbatches > 0):
+      raise ValueError(f"num_microbatches must be a positive int or None, got "
+                       f"{num_microbatches!r}.")
+    if algorithm.expected_batch_size is not None and num_microbatches is not None:
+      raise ValueError("expected_batch_size (Poisson sampling: batches of varying size) cannot "
+                       "be used with num_microbatches: a varying batch cannot be split into "
+                       f"{num_microbatches} equal microbatches. Leave num_microbatches None "
+                       "(one example per microbatch).")
+    self.algorithm = algorithm
+    self.num_microbatches = num_microbatches
+    self.self_check = self_check
+    self.owner = owner
+    self.steps: Optional[tf.Variable] = None
+    self.rules: Optional[tuple[str, ...]] = None
+    self._released: dict[int, Released] = {}  # By thread: a replica's (MirroredStrategy).
+    self.self_check_flags: list[tf.Variable] = []  # One per trace that checks (`self_check`).
+    self._mixing_calls = stack.eager_mixing_calls()
+
+  def events(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
+             num_layers: Optional[int] = None, num_parameters: Optional[int] = None
+             ) -> sampling.Events:
+    """One step's certified and nominal events, without sampling (`Events.poisson` adds it).
+
+    Args:
+      batch_size: the (fixed) batch size, if known: with num_microbatches equal to it each
+        microbatch is one example. Otherwise microbatches count as several examples, whose
+        records may change entirely when one example is added or removed (sensitivity 2C).
+      replace_one: substitution adjacency (e.g. shuffled fixed-size batches).
+      num_layers, num_parameters: for per-layer algorithms and the tanh filter before `build`.
+    """
+    several = self.num_microbatches is not None and batch_size != self.num_microbatches
+    return self.algorithm.events(replace_one=replace_one or several, num_layers=num_layers,
+                                 num_parameters=num_parameters)
+
+  def build(self, variables: list[tf.Variable], add_state: algorithms.AddState) -> tf.Variable:
+    """The algorithm's state, then the step counter, made with `add_state` (once)."""
+    self.algorithm.build(variables, add_state)
+    self.steps = add_state("dp_steps", tf.constant(0, tf.int64))
+    return self.steps
+
+  def raise_if_self_check_failed(self) -> None:
+    """Raises RuntimeError if the self-check of a step failed under XLA (see the optimizer's)."""
+    if any(self_check.failed(flag) for flag in self.self_check_flags):
+      raise RuntimeError(self_check.XLA_FAILED)
+
+  def unreleased(self, grads: list, variables: list, wrapper) -> list[str]:
+    """The names of the variables whose gradient in `grads` is not what this thread's last step
+    released (or, under `wrapper`, unscaled from it)."""
+    released = self._released.get(threading.get_ident())
+    return [stack.variable_name(v) for g, v in zip(grads, variables)
+            if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
+
+  def inputs(self, loss, var_list, tape) -> tuple:
+    """The loss, variables and tape of a step, callables called; refuses a step without
+    trainable variables, an eager step without its tape, after an eager mixing layer, or under
+    an unsupported strategy."""
+    replicas.check_strategy(self.owner)
+    if callable(loss):
+      tape = tape if tape is not None else tf.GradientTape()
+      with tape:
+        loss = loss()
+    var_list = tf.nest.flatten(var_list() if callable(var_list) else var_list)
+    if not var_list:
+      raise ValueError(f"{self.owner} was given no trainable variables, so there is nothing to "
+                       "train. Build the model before training and leave some layers trainable "
+                       "(layer.trainable = True).")
+    if tape is None and tf.executing_eagerly():
+      raise ValueError("`tape` is required when a Tensor loss is passed eagerly.")
+    if tf.executing_eagerly():
+      self._refuse_eager_mixing()
+      logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
+                          "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
+                          1, self.owner)
+    return loss, var_list, tape
+
+  def _refuse_eager_mixing(self) -> None:
+    """Refuses an eager step after a layer that mixes examples ran eagerly in training mode since
+    the previous step (or the optimizer's creation): no graph, so no self-check, can see it."""
+    calls = stack.eager_mixing_calls()
+    seen, self._mixing_calls = self._mixing_calls, calls
+    if calls > seen:
+      raise ValueError(
+          "A layer that mixes the examples of a batch (BatchNormalization in training mode) ran "
+          "eagerly since this optimizer's last step: per-example gradients, and the privacy "
+          "guarantee with them, are undefined. Use LayerNormalization/GroupNormalization "
+          "instead (or call it with training=False).")
+
+  def run(self, context: StepContext, loss, var_list, tape
+          ) -> list[tuple[tf.Tensor, tf.Variable]]:
+    """(privatized gradient, variable) pairs for the per-example `loss`: the named steps."""
+    grads = self._per_example_gradients(context, loss, var_list, tape)
+    if context.wrapper is None:
+      privatized = self._privatize(grads)
+    else:
+      privatized = self._privatize_scaled(grads, context.wrapper.loss_scale)
+    privatized = self._add_model_losses(privatized, grads.variables, context.model)
+    if context.wrapper is not None:  # The wrapper divides by its scale.
+      privatized = [g * tf.cast(context.wrapper.loss_scale, g.dtype) for g in privatized]
+    return self._release(privatized, var_list, context.wrapper)
+
+  def _per_example_gradients(self, context: StepContext, loss, var_list, tape
+                             ) -> per_example.PerExampleGradients:
+    """The engine's per-microbatch gradients, with the in-step self-check unless `fit` ran it on
+    a synthetic batch (`preflight`) and this trace takes the rules that check passed with."""
+    tf_vars = [per_example.as_tf_variable(v) for v in var_list]
+    grads = per_example.compute(loss, tf_vars,
+                                replicas.local_count(self.num_microbatches, self.owner),
+                                tape, self.self_check,
+                                checked_rules=None if context.fit is None
+                                else context.fit.prechecked)
+    self.rules = tuple(grads.rules)
+    if grads.self_check_flag is not None:
+      self.self_check_flags.append(grads.self_check_flag)
+    slow = [v.name for v, rule in zip(tf_vars, grads.rules) if rule == "fallback"]
+    if slow and not tf.executing_eagerly():
+      logging.info("%s: these variables have no per-example rule and take the exact Jacobian "
+                   "fallback (slower): %s", self.owner, ", ".join(slow))
+    return grads
+
+  def _privatize(self, grads: per_example.PerExampleGradients) -> list[tf.Tensor]:
+    """The algorithm's noised step; `steps` counts it in the same graph, once its noise is
+    drawn (not before: a call whose data never arrives, e.g. an exhausted iterator, counts none)."""
+    privatized = self.algorithm(grads)
+    with tf.control_dependencies(privatized):  # A stateful op: tf.function always runs it.
+      self.steps.assign_add(1)
+    return privatized
+
+  def _privatize_scaled(self, grads: per_example.PerExampleGradients,
+                        scale: tf.Tensor) -> list[tf.Tensor]:
+    """Under a LossScaleOptimizer: the privatized gradient of the unscaled loss, or NaN when a
+    scaled gradient overflowed, so that the wrapper skips the step and lowers its scale."""
+    finite = grads.all_finite  # Before the engine zeroed the non-finite rows.
+    grads = loss_scale.unscaled(grads, scale)
+    skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
+    return tf.cond(finite, lambda: self._privatize(grads), skipped)
+
+  @staticmethod
+  def _add_model_losses(privatized: list[tf.Tensor], tf_vars, model) -> list[tf.Tensor]:
+    """Adds the gradient of the model's losses that depend on no data (weight regularizers),
+    after privatization and unclipped (`stack.model_losses_left`)."""
+    regularizers = stack.model_losses_left(model)
+    if not regularizers:
+      return privatized
+    dtype = max((t.dtype for t in regularizers), key=lambda d: d.size)
+    total = tf.add_n([tf.cast(t, dtype) for t in regularizers])
+    return [p if g is None else p + tf.cast(tf.convert_to_tensor(g), p.dtype)
+            for p, g in zip(privatized, tf.gradients(total, tf_vars))]
+
+  def _release(self, privatized: list[tf.Tensor], var_list, wrapper
+               ) -> list[tuple[tf.Tensor, tf.Variable]]:
+    """The step's output: marked released for the mixing analysis (a later step in this graph
+    may read what it updates) and remembered as what `apply_gradients` may take."""
+    trace.mark_released(privatized)
+    self._released[threading.get_ident()] = Released(privatized, var_list, wrapper)
+    return list(zip(privatized, var_list))
+
