@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from typing import Optional
 
 import tensorflow as tf
 
+from tfdp_variants import cache
 from tfdp_variants import preflight
 from tfdp_variants import sampling
 from tfdp_variants.per_example import recurrence
@@ -40,12 +40,9 @@ class FitInputs:
     self.prechecked: Optional[tuple[str, ...]] = None
 
 
-_FIT_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FitInputs.
-
-
 def fit_inputs(model) -> Optional[FitInputs]:
   """The `FitInputs` of the fit `model` is running, else None."""
-  return _FIT_INPUTS.get(model)
+  return cache.FIT_INPUTS.get(model)
 
 
 def _batch_sizes(x, batch_size: Optional[int], validation_split: float) -> Optional[set[int]]:
@@ -108,12 +105,12 @@ def fit(self, *args, **kwargs):
   if optimizer.num_microbatches is not None:
     _refuse_partial_microbatches(optimizer.num_microbatches, arguments)
   recurrence.enable(self)
-  inputs = _FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
+  inputs = cache.FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
                                          arguments.get("validation_split", 0.0))
   try:
     inputs.prechecked = preflight.run(self, optimizer, arguments.get("x"), arguments.get("y"),
                                       arguments.get("sample_weight"), arguments.get("batch_size"))
     return keras_fit(self, *args, **kwargs)
   finally:
-    del _FIT_INPUTS[self]
+    del cache.FIT_INPUTS[self]
     sampling.close_segment(optimizer, self.trainable_variables)

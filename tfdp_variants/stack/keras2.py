@@ -6,8 +6,8 @@ only what it returned. Under `mixed_float16` Keras 2 wraps the optimizer in a Lo
 which multiplies the loss by its scale s before calling the inner optimizer's `compute_gradients`
 and divides the result by s: a DP optimizer finds its wrapper on the call stack
 (`loss_scale_wrapper`), divides the per-example gradients by s before clipping (so that C bounds
-the true gradients, `stack.loss_scale`), and returns its privatized gradient times s. Keras 2 has
-legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of making state.
+the true gradients, `per_example.loss_scale`), and returns its privatized gradient times s. Keras 2
+has legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of making state.
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 from tfdp_variants import replicas
+from tfdp_variants.stack import hooks
 from tfdp_variants.stack import recurrent
 from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
 
-__all__ = ["add_state", "apply_gradients", "build_optimizer", "compiled_loss", "install",
-           "is_legacy", "loss_scale_wrapper", "losses_broadcast", "passes_fit_drops",
-           "remember_loss", "remembered_loss", "reported_loss", "steps_per_execution",
-           "why_no_loss"]
+__all__ = hooks.NAMES  # The API of `hooks.KerasHooks`.
 
 
 def is_legacy(cls: type) -> bool:

@@ -23,18 +23,17 @@ from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
+from tfdp_variants import cache
 from tfdp_variants import replicas
 from tfdp_variants import validation
+from tfdp_variants.stack import hooks
 from tfdp_variants.stack import recurrent
 from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
 
-__all__ = ["add_state", "apply_gradients", "build_optimizer", "compiled_loss", "install",
-           "is_legacy", "loss_scale_wrapper", "losses_broadcast", "passes_fit_drops",
-           "remember_loss", "remembered_loss", "reported_loss", "steps_per_execution",
-           "why_no_loss"]
+__all__ = hooks.NAMES  # The API of `hooks.KerasHooks`.
 
 
 def is_legacy(cls: type) -> bool:
@@ -80,11 +79,6 @@ def loss_scale_wrapper(inner) -> None:
 
 # The per-example loss of a step, from `scale_loss` to `apply`.
 
-# graph -> {id(loss / R): (weak reference to loss / R, loss)}, from `reported_loss`.
-_REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> {id(gradient): (weak reference to it, weak reference to its tape.gradient target)}.
-_TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 class _KeptLosses:
   """An optimizer's kept losses: graph -> {thread: (loss, scaled)} (an untracked attribute)."""
@@ -107,7 +101,7 @@ def remember_loss(optimizer, loss, scaled) -> None:
   graph = getattr(loss, "graph", None)
   if graph is None or tf.executing_eagerly():
     return
-  reported, undivided = _REPLICA_SCALED.get(graph, {}).pop(id(loss), (None, None))
+  reported, undivided = cache.REPLICA_SCALED.get(graph, {}).pop(id(loss), (None, None))
   if reported is not None and reported() is loss:
     loss = undivided
   _kept(optimizer).setdefault(graph, {})[threading.get_ident()] = (loss, scaled)
@@ -128,7 +122,7 @@ def remembered_loss(optimizer, grads: Sequence) -> Optional[tf.Tensor]:
   if kept is None:
     return None
   loss, scaled = kept
-  record = _TAPE_GRADIENTS.get(graph, {})
+  record = cache.TAPE_GRADIENTS.get(graph, {})
   for gradient in grads:
     if gradient is None:
       continue
@@ -183,7 +177,7 @@ def reported_loss(loss: tf.Tensor) -> tf.Tensor:
   if replicas.count() == 1:
     return loss
   reported = loss * tf.cast(1 / replicas.count(), loss.dtype)
-  _REPLICA_SCALED.setdefault(loss.graph, {})[id(reported)] = (weakref.ref(reported), loss)
+  cache.REPLICA_SCALED.setdefault(loss.graph, {})[id(reported)] = (weakref.ref(reported), loss)
   return reported
 
 
@@ -200,7 +194,7 @@ def _recording_gradient(self, target, sources, output_gradients=None, *args, **k
   if not tf.executing_eagerly():
     of = (weakref.ref(target) if output_gradients is None and isinstance(target, tf.Tensor)
           else (lambda: None))
-    record = _TAPE_GRADIENTS.setdefault(tf.compat.v1.get_default_graph(), {})
+    record = cache.TAPE_GRADIENTS.setdefault(tf.compat.v1.get_default_graph(), {})
     for gradient in tf.nest.flatten(result):
       if gradient is not None:
         record[id(gradient)] = (weakref.ref(gradient), of)

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tfdp_variants import cache
 from tfdp_variants import losses
 from tfdp_variants import validation
 from tfdp_variants.per_example import trace
 from tfdp_variants.stack import chosen
 from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.version import keras
-
-_LEFT_TO_OPTIMIZER: weakref.WeakSet = weakref.WeakSet()  # Models whose compute_loss left them.
-
 
 def _depends_on_data(tensor: tf.Tensor, data: Sequence[tf.Tensor]) -> bool:
   """Whether the graph computes `tensor` from the step's data.
@@ -69,7 +66,7 @@ def check_model_losses(model: keras.Model, data) -> None:
 
 def model_losses_left(model: Optional[keras.Model]) -> list[tf.Tensor]:
   """The model's data-independent losses, if its compute_loss left them to the optimizer."""
-  if model is None or model not in _LEFT_TO_OPTIMIZER:
+  if model is None or model not in cache.LOSSES_LEFT:
     return []
   return model.losses
 
@@ -102,7 +99,7 @@ def compute_loss(self, *args, **kwargs):
   x, y, y_pred, sample_weight = (bound.arguments[k] for k in ("x", "y", "y_pred", "sample_weight"))
   if validation.training_model() is self:
     check_model_losses(self, (x, y, sample_weight))
-    _LEFT_TO_OPTIMIZER.add(self)
+    cache.LOSSES_LEFT.add(self)
   outputs = tf.nest.flatten(y_pred)
   if chosen.losses_broadcast(outputs):
     raise ValueError(UNEQUAL_OUTPUT_LOSSES)

@@ -1,0 +1,23 @@
+"""The state one step's stages leave for later ones, per graph or per model, in one place.
+
+Each is a weak-keyed dictionary: an entry lives as long as the graph (or model) it is of, and
+nothing here is tracked, saved or shared between graphs. A module that keeps such state keeps it
+here, named after what it holds, so that what flows between modules outside their arguments is
+listed in one file (BUILD_NOTES, "Architecture").
+"""
+
+from __future__ import annotations
+
+import weakref
+
+# model -> `stack.fit.FitInputs` of the `fit` it runs (the privacy callbacks and the step read it).
+FIT_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The models whose `compute_loss` left their data-independent losses to the optimizer
+# (`stack.model_loss`).
+LOSSES_LEFT: weakref.WeakSet = weakref.WeakSet()
+# graph -> {id(loss / R): (weak reference to loss / R, loss)}: the losses Keras 3 reports divided
+# by the replicas R (`stack.keras3.reported_loss`), for `remember_loss` to undo.
+REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# graph -> {id(gradient): (weak reference to it, weak reference to its tape.gradient target)}
+# (`stack.keras3`'s wrapper of `tf.GradientTape.gradient`, checked by `remembered_loss`).
+TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
