@@ -192,8 +192,9 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       raise ValueError(
           "A layer that mixes the examples of a batch (BatchNormalization in training mode) ran "
           "eagerly since this optimizer's last step: per-example gradients, and the privacy "
-          "guarantee with them, are undefined. Use LayerNormalization/GroupNormalization "
-          "instead (or call it with training=False).")
+          "guarantee with them, are undefined. Replace BatchNormalization with "
+          "`tfdp_variants.batch_norm_to_group_norm(model)` (GroupNormalization), or use "
+          "LayerNormalization/GroupNormalization instead (or call it with training=False).")
 
   def raise_if_self_check_failed(self) -> None:
     """Raises RuntimeError if the per-example self-check of a step has failed under XLA, where
