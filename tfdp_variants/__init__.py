@@ -60,6 +60,7 @@ from tfdp_variants import sanity
 from tfdp_variants import stack
 from tfdp_variants import transforms
 from tfdp_variants import validation
+from tfdp_variants.group_norm import batch_norm_to_group_norm
 from tfdp_variants.losses import bounded_labels
 from tfdp_variants.optimizers import AdaptiveClipAdam
 from tfdp_variants.optimizers import AdaptiveClipSGD

@@ -202,8 +202,9 @@ class PrivateStep:
       raise ValueError(
           "A layer that mixes the examples of a batch (BatchNormalization in training mode) ran "
           "eagerly since this optimizer's last step: per-example gradients, and the privacy "
-          "guarantee with them, are undefined. Use LayerNormalization/GroupNormalization "
-          "instead (or call it with training=False).")
+          "guarantee with them, are undefined. Replace BatchNormalization with "
+          "`tfdp_variants.batch_norm_to_group_norm(model)` (GroupNormalization), or use "
+          "LayerNormalization/GroupNormalization instead (or call it with training=False).")
 
   def run(self, context: StepContext, loss, var_list, tape
           ) -> list[tuple[tf.Tensor, tf.Variable]]:

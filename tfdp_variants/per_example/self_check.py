@@ -57,7 +57,9 @@ from tfdp_variants.xla import in_xla
 MIXING = ("examples are mixed by the model (e.g. BatchNormalization or a custom layer computing "
           "batch statistics): {}. The loss of one example then depends on the other examples of "
           "the batch, so per-example gradients, and the privacy guarantee with them, are "
-          "undefined. Use LayerNormalization/GroupNormalization instead of batch statistics.")
+          "undefined. For BatchNormalization, replace it with "
+          "`tfdp_variants.batch_norm_to_group_norm(model)` (GroupNormalization); else use "
+          "LayerNormalization/GroupNormalization instead of batch statistics.")
 CARRIED = ("examples are mixed by the model across steps: {}. The loss then depends on examples "
            "of earlier batches through that variable, which no per-example clipping bounds, so "
            "the privacy guarantee would not hold.")

@@ -1,0 +1,241 @@
+"""Step time of KerasHub models under the DP optimizers, as ratios to the non-private step (issue 40).
+
+(Not named keras_hub.py: run as a script, this directory comes first on the path, and that name
+would hide the package.)
+
+Models (KerasHub 0.32 tasks built from a config: random weights, no download; synthetic data):
+
+* `gpt2`: GPT2CausalLM (learned position embedding, tied output embedding), next-token loss;
+* `bert`: BertTextClassifier (2 classes), token ids, segment ids and padding mask;
+* `gemma`: GemmaCausalLM (multi-query attention: one key/value head, head_dim 64);
+* `gemma_lora`, `llama_lora`: GemmaCausalLM, LlamaCausalLM after `backbone.enable_lora(4)` (the
+  backbone frozen, LoRA factors of rank 4 on the query and value projections trained);
+* `llama`: LlamaCausalLM, every variable trained (not run by default);
+* `vit`: ViTImageClassifier (10 classes) on images of ⌊√sequence_length⌋² patches of 8×8 pixels
+  (121 patches and the class token at sequence length 128).
+
+Size (flags): `--num_layers=4 --hidden_dim=256 --intermediate_dim=1024 --sequence_length=128
+--batch=32`, heads of 64 dimensions, a vocabulary of 1,000 tokens (`--vocabulary_size`; the
+logits' size grows with it). Shrink them for a quick run, e.g. `--num_layers=2 --hidden_dim=64
+--intermediate_dim=128 --sequence_length=32`.
+
+Rows are `bench/step_time.py`'s (its optimizers, hyperparameters, timing and peak-memory
+measurement: `--steps` timed steps of `train_on_batch` after `--warmup`, one example per
+microbatch), each (model, row) in a fresh process; the targets are issue 40's (DPAdam ≤ 1.3×
+non-private, NoisyGradientAdam AC and TanhFilterAdam ≤ 3×, peak memory ≤ 1.5×). `--only` adds
+any other row of step_time.py (e.g. `dpadam_xla`). A KerasHub task is wrapped in a one-layer
+Sequential so that step_time's row builders take it; that adds no computation.
+
+  python bench/keras_hub_step_time.py [--hub_models=gpt2,bert,...] [--only=dpadam,...] [--steps=10]
+      [--num_layers=4] [--hidden_dim=256] [--intermediate_dim=1024] [--sequence_length=128]
+      [--batch=32] [--vocabulary_size=1000] [--warmup=3]
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from typing import Callable, NamedTuple
+
+from absl import app
+from absl import flags
+import numpy as np
+
+import step_time  # bench/step_time.py: the rows, `time_row`, `stack`.
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Inherited by the rows' processes.
+
+
+class Size(NamedTuple):
+  num_layers: int
+  hidden_dim: int
+  intermediate_dim: int
+  sequence_length: int
+  vocabulary_size: int
+
+  @property
+  def heads(self) -> int:
+    return max(1, self.hidden_dim // 64)
+
+
+# pylint: disable=g-import-not-at-top
+def _gpt2(s: Size):
+  import keras_hub
+  return keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(
+      s.vocabulary_size, s.num_layers, s.heads, s.hidden_dim, s.intermediate_dim,
+      max_sequence_length=s.sequence_length), preprocessor=None)
+
+
+def _bert(s: Size):
+  import keras_hub
+  return keras_hub.models.BertTextClassifier(keras_hub.models.BertBackbone(
+      s.vocabulary_size, s.num_layers, s.heads, s.hidden_dim, s.intermediate_dim,
+      max_sequence_length=s.sequence_length), num_classes=2, preprocessor=None)
+
+
+def _gemma(s: Size, lora: bool = False):
+  import keras_hub
+  backbone = keras_hub.models.GemmaBackbone(
+      s.vocabulary_size, s.num_layers, num_query_heads=s.heads, num_key_value_heads=1,
+      hidden_dim=s.hidden_dim, intermediate_dim=s.intermediate_dim, head_dim=64)
+  if lora:
+    backbone.enable_lora(4)
+  return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+
+
+def _llama(s: Size, lora: bool = False):
+  import keras_hub
+  backbone = keras_hub.models.LlamaBackbone(
+      s.vocabulary_size, s.num_layers, num_query_heads=s.heads, hidden_dim=s.hidden_dim,
+      intermediate_dim=s.intermediate_dim, num_key_value_heads=s.heads)
+  if lora:
+    backbone.enable_lora(4)
+  return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+
+
+def _vit_side(s: Size) -> int:
+  return 8 * math.isqrt(s.sequence_length)
+
+
+def _vit(s: Size):
+  import keras_hub
+  return keras_hub.models.ViTImageClassifier(keras_hub.models.ViTBackbone(
+      (_vit_side(s),) * 2 + (3,), patch_size=8, num_layers=s.num_layers, num_heads=s.heads,
+      hidden_dim=s.hidden_dim, mlp_dim=s.intermediate_dim), num_classes=10, preprocessor=None)
+# pylint: enable=g-import-not-at-top
+
+
+def _tokens(s: Size, rng: np.random.Generator, b: int, segments: bool = False) -> dict:
+  x = {"token_ids": rng.integers(0, s.vocabulary_size, (b, s.sequence_length), np.int32),
+       "padding_mask": np.ones((b, s.sequence_length), np.int32)}
+  return {**x, "segment_ids": np.zeros_like(x["token_ids"])} if segments else x
+
+
+def _causal(s: Size, rng: np.random.Generator, b: int):
+  """Token ids and the next-token labels (every position's loss counts)."""
+  ids = rng.integers(0, s.vocabulary_size, (b, s.sequence_length + 1), np.int32)
+  return {"token_ids": ids[:, :-1], "padding_mask": np.ones_like(ids[:, :-1])}, ids[:, 1:]
+
+
+class HubModel(NamedTuple):
+  description: str
+  build: Callable[[Size], object]
+  data: Callable[[Size, np.random.Generator, int], tuple]
+  reference: str = ""  # The issue's measurements, on another machine.
+
+
+_JAX_PRIVACY = "issue 40 (its machine, this size): "
+HUB_MODELS = {
+    "gpt2": HubModel("GPT2CausalLM", _gpt2, _causal),
+    "bert": HubModel("BertTextClassifier, 2 classes", _bert,
+                     lambda s, rng, b: (_tokens(s, rng, b, segments=True), rng.integers(0, 2, b)),
+                     _JAX_PRIVACY + "tfdp_variants 8,868 ms (13.7×), JAX Privacy 2.0's Keras API "
+                     "1,536 ms (1.61×); Opacus publishes 1.19–1.40× for BERT"),
+    "gemma": HubModel("GemmaCausalLM", _gemma, _causal),
+    "gemma_lora": HubModel("GemmaCausalLM, enable_lora(4)", lambda s: _gemma(s, lora=True),
+                           _causal, _JAX_PRIVACY + "tfdp_variants 6,748 ms (18.9×), JAX Privacy "
+                           "571 ms (0.88×)"),
+    "llama_lora": HubModel("LlamaCausalLM, enable_lora(4)", lambda s: _llama(s, lora=True),
+                           _causal, _JAX_PRIVACY + "tfdp_variants 484 ms (0.92×), JAX Privacy "
+                           "806 ms (0.96×)"),
+    "vit": HubModel("ViTImageClassifier, 10 classes", _vit,
+                    lambda s, rng, b: (rng.random((b, _vit_side(s), _vit_side(s), 3), np.float32),
+                                       rng.integers(0, 10, b))),
+    "llama": HubModel("LlamaCausalLM", _llama, _causal,
+                      _JAX_PRIVACY + "tfdp_variants 726 ms (1.10×), JAX Privacy 2,190 ms (1.47×)"),
+}
+TARGETS = {"dpadam": 1.3, "ng_ac": 3.0, "tanh": 3.0}  # Issue 40's, × the non-private step.
+MEMORY_TARGET = 1.5  # Peak memory, × the non-private step's (DPAdam).
+
+_HUB_MODELS = flags.DEFINE_list("hub_models", [k for k in HUB_MODELS if k != "llama"],
+                                "Models to time: " + ", ".join(HUB_MODELS))
+_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer layers.")
+_HIDDEN = flags.DEFINE_integer("hidden_dim", 256, "Hidden size (heads of 64).")
+_INTERMEDIATE = flags.DEFINE_integer("intermediate_dim", 1024, "Feed-forward size.")
+_SEQUENCE = flags.DEFINE_integer("sequence_length", 128, "Tokens per example (ViT: patches).")
+_VOCABULARY = flags.DEFINE_integer("vocabulary_size", 1000, "Token vocabulary.")
+_BATCH_HUB = flags.DEFINE_integer("batch", 32, "Examples per step.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps before the timed ones (the first "
+                               "traces and runs the self-check).")
+
+
+def _workload(name: str, size: Size, b: int) -> step_time.Workload:
+  """`name` as a step_time workload: its "layers" are the task alone, for a Sequential."""
+  model = HUB_MODELS[name]
+  return step_time.Workload(model.description, lambda: [model.build(size)],
+                            lambda rng, n: model.data(size, rng, n), b)
+
+
+def _time(name: str, row_key: str, size: Size, b: int, steps: int, warmup: int) -> dict:
+  """In a fresh process: step_time's `time_row` of one row on one model."""
+  return step_time.time_row(step_time._row(row_key), _workload(name, size, b), b,  # pylint: disable=protected-access
+                            steps, warmup)
+
+
+def launch(name: str, row_key: str, size: Size, b: int, steps: int, warmup: int) -> dict:
+  """Times (model, row) in a new process (its graphs and peak memory its own)."""
+  with multiprocessing.get_context("spawn").Pool(1) as pool:
+    try:
+      return pool.apply(_time, (name, row_key, size, b, steps, warmup))
+    except Exception as error:  # pylint: disable=broad-except
+      return {"error": f"failed: {type(error).__name__}: {error}"[:160].replace("|", "/")}
+
+
+def _target(key: str, ratio: float) -> str:
+  if key not in TARGETS:
+    return ""
+  return f"≤ {TARGETS[key]}× {'met' if ratio <= TARGETS[key] else 'MISSED'}"
+
+
+def table(name: str, size: Size, b: int, results: dict[str, dict]) -> list[str]:
+  """The markdown table of one model's rows."""
+  base = results.get("nonprivate", {})
+  params = next((f"{r['params']:,}" for r in results.values() if "params" in r), "?")
+  lines = [f"### {name}: {HUB_MODELS[name].description} ({params} parameters), batch {b}", "",
+           "| optimizer | ms/step | × non-private | target | peak RSS, GiB | × non-private "
+           "| first step, ms | rules (variables) |", "|---|---:|---:|---|---:|---:|---:|---|"]
+  for key, result in results.items():
+    label = step_time._row(key).label  # pylint: disable=protected-access
+    if "ms" not in result:
+      lines.append(f"| {label} | {result['error']} | | | | | | |")
+      continue
+    ratio = result["ms"] / base["ms"] if "ms" in base else math.nan
+    memory = result["peak_gib"] / base["peak_gib"] if "ms" in base else math.nan
+    memory_target = (f" (≤ {MEMORY_TARGET}× {'met' if memory <= MEMORY_TARGET else 'MISSED'})"
+                     if key == "dpadam" else "")
+    lines.append(f"| {label} | {result['ms']:.0f} | {ratio:.2f} | {_target(key, ratio)} | "
+                 f"{result['peak_gib']:.2f} | {memory:.2f}{memory_target} | "
+                 f"{result['first_ms']:.0f} | {result['note']} |")
+  if HUB_MODELS[name].reference:
+    lines += ["", f"Reference: {HUB_MODELS[name].reference}."]
+  return lines
+
+
+def main(argv):
+  del argv
+  unknown = set(_HUB_MODELS.value) - set(HUB_MODELS)
+  if unknown:
+    raise app.UsageError(f"--hub_models: unknown {sorted(unknown)}")
+  size = Size(_LAYERS.value, _HIDDEN.value, _INTERMEDIATE.value, _SEQUENCE.value,
+              _VOCABULARY.value)
+  known = [r.key for r in step_time.rows()]
+  if set(flags.FLAGS.only) - set(known):
+    raise app.UsageError(f"--only: unknown {sorted(set(flags.FLAGS.only) - set(known))}")
+  keys = ["nonprivate", *(flags.FLAGS.only or TARGETS)]
+  b, steps = _BATCH_HUB.value, flags.FLAGS.steps
+  print(f"Stack: {step_time.stack()}; {size}, batch {b}; one example per microbatch; {steps} "
+        f"timed steps after {_WARMUP.value}; each row in its own process", flush=True)
+  out = []
+  for name in _HUB_MODELS.value:
+    results = {}
+    for key in dict.fromkeys(keys):
+      results[key] = launch(name, key, size, b, steps, _WARMUP.value)
+      print(f"  {name} / {key}: {results[key].get('ms', results[key].get('error'))}", flush=True)
+    out += ["", *table(name, size, b, results)]
+  print(f"\nStack: {step_time.stack()}; {size}, batch {b}")
+  print("\n".join(out))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,117 @@
+"""BatchNormalization → GroupNormalization, so that a model with batch statistics trains privately.
+
+In training mode BatchNormalization normalizes each example by statistics of the whole batch: one
+example's loss depends on the others, per-example gradients and the privacy guarantee with them are
+undefined, and the package's optimizers refuse such a model. GroupNormalization (Wu & He 2018,
+"Group Normalization", arXiv:1803.08494, Eq. 1 with the set S_i of Eq. 7) normalizes each example
+over groups of its own channels, so it never mixes examples; it is what Opacus'
+`ModuleValidator.fix` puts in BatchNorm's place (`GroupNorm(min(32, C), C)`).
+
+    model = tfdp_variants.batch_norm_to_group_norm(model)     # a copy; `model` is unchanged
+    model.compile(optimizer=tfdp_variants.DPAdam(...), loss=...)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tfdp_variants import validation
+from tfdp_variants.stack import keras
+from tfdp_variants.stack.cloning import clone_model
+
+# Opacus' group count: GroupNorm(min(32, C), C) (Wu & He 2018 §4 use G = 32).
+_MAX_GROUPS = 32
+
+
+def group_count(channels: int, groups: Optional[int] = None, features_only: bool = False,
+                layer: str = "a") -> int:
+  """The number of groups of a BatchNormalization's replacement: `groups` if given (a divisor of
+  `channels`), else the largest divisor of `channels` up to 32, or 1 (LayerNormalization) where
+  the input has no axis beside the batch and the channels (`features_only`): a group of one value
+  per example would normalize it to 0 whatever it is. `layer` names the layer in errors."""
+  if groups is None:
+    return 1 if features_only else max(
+        g for g in range(1, min(_MAX_GROUPS, channels) + 1) if channels % g == 0)
+  if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or channels % groups:
+    raise ValueError(f"groups={groups!r} does not divide the {channels} channels of {layer} "
+                     "BatchNormalization layer; give a divisor of every such layer's channels, "
+                     "or groups=None (per layer, the largest divisor of its channels up to 32).")
+  if features_only and groups == channels:
+    raise ValueError(f"groups={groups} would leave one value per group in {layer} "
+                     "BatchNormalization layer, over features alone: each would normalize to 0, "
+                     "whatever the input. Give fewer groups, or groups=None (one group there).")
+  return groups
+
+
+def _channel_axis(layer: keras.layers.Layer) -> int:
+  axis = layer.axis
+  if isinstance(axis, (list, tuple)):  # Keras 2 keeps a list once built.
+    if len(axis) != 1:
+      raise ValueError(f"{layer.name}: a BatchNormalization over several axes {axis} has no "
+                       "GroupNormalization counterpart; normalize over one channel axis.")
+    axis = axis[0]
+  return axis
+
+
+def _group_norm(layer: keras.layers.Layer, groups: Optional[int]) -> keras.layers.Layer:
+  """A GroupNormalization with `layer`'s name, dtype, axis, ε, center, scale and the initializers,
+  regularizers and constraints of its β and γ."""
+  config = layer.get_config()
+  shared = set(keras.layers.GroupNormalization(groups=1).get_config()) - {"groups", "axis"}
+  channels = int(layer.moving_mean.shape[0])
+  return keras.layers.GroupNormalization.from_config({
+      **{k: v for k, v in config.items() if k in shared},
+      "groups": group_count(channels, groups, getattr(layer.input_spec, "ndim", None) == 2,
+                            repr(layer.name)),
+      "axis": _channel_axis(layer)})
+
+
+def batch_norm_to_group_norm(model: keras.Model, groups: Optional[int] = None) -> keras.Model:
+  """A copy of `model` with every BatchNormalization replaced by a GroupNormalization.
+
+  `model` is a built Sequential or functional model, nested ones included (a KerasHub backbone
+  or task too: it comes back as a functional model of the same layers and calls, without its
+  preprocessor). Each GroupNormalization normalizes over the BatchNormalization's channel axis in
+  `groups` groups (default: the largest divisor of its channels up to 32, as Opacus' `GroupNorm(
+  min(32, C), C)`; one group, a LayerNormalization, on inputs of features alone, shape (B, C)),
+  keeps its name, ε and γ, β (initialized from the BatchNormalization's, so a pretrained model
+  keeps its scales and shifts; its moving statistics are dropped). Every other layer is a copy
+  with the same config and weights. `model` itself is unchanged.
+
+  A frozen BatchNormalization (trainable=False) runs on its moving statistics and mixes nothing;
+  a model whose BatchNormalizations are all frozen needs no replacement.
+
+  Raises:
+    ValueError: the model is not built, or is a subclassed model (write its `call` with
+      GroupNormalization instead), or `groups` does not divide a layer's channels.
+  """
+  if not model.built:
+    raise ValueError(f"Model {model.name!r} is not built: build it (e.g. call it on a batch, or "
+                     "give its first layer an Input) before replacing its BatchNormalization.")
+  pairs, seen = [], []
+
+  def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+    seen.append(layer)
+    if isinstance(layer, keras.Model):
+      return batch_norm_to_group_norm(layer, groups)
+    new = (_group_norm(layer, groups) if isinstance(layer, validation.MIXING_LAYERS)
+           else layer.__class__.from_config(layer.get_config()))
+    pairs.append((layer, new))
+    return new
+
+  try:
+    copy = clone_model(model, clone)
+  except ValueError as error:
+    if seen:  # Raised while copying the layers, not by clone_model's check of the model's kind.
+      raise
+    raise ValueError(f"batch_norm_to_group_norm copies Sequential and functional models only, "
+                     f"not {type(model).__name__}; in a subclassed model, use "
+                     "GroupNormalization in place of BatchNormalization in its code.") from error
+  for old, new in pairs:
+    if isinstance(old, validation.MIXING_LAYERS):
+      for name in ("gamma", "beta"):
+        if getattr(new, name, None) is not None:
+          getattr(new, name).assign(getattr(old, name))
+    else:
+      new.set_weights(old.get_weights())
+  return copy
