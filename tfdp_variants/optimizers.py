@@ -23,7 +23,7 @@ import re
 import threading
 import warnings
 import weakref
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 from absl import logging
 import dp_accounting
@@ -118,6 +118,9 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       (every step of a `steps_per_execution` loop) and saved with the optimizer's state.
     dp_ledger: the segments of those steps, each with the sampling and events it ran under, saved
       likewise (`tfdp_variants.sampling.segments`; the privacy callbacks open them).
+    release_hook: None, or a function that each step calls, in its graph, with the privatized
+      gradients it releases (one per variable, what `apply_gradients` takes; under a strategy,
+      this replica's share of their sum): how `tfdp_variants.audit` scores `fit`.
   """
 
   algorithm_cls: ClassVar[type[algorithms.Algorithm]] = algorithms.DPSGD
@@ -170,6 +173,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
     self.dp_ledger: Optional[tf.Variable] = None  # Likewise.
     self.per_example_rules: Optional[tuple[str, ...]] = None
+    self.release_hook: Optional[Callable[[list[tf.Tensor]], None]] = None
     self._dp_released: dict[int, _Released] = {}  # By thread: a replica's (MirroredStrategy).
     self._dp_mixing_calls = stack.eager_mixing_calls()
     self._self_check_flags = _Untracked()  # A flag per trace (`per_example.self_check`).
@@ -368,6 +372,8 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     may read what it updates) and remembered as what `apply_gradients` may take."""
     trace.mark_released(privatized)
     self._dp_released[threading.get_ident()] = _Released(privatized, var_list, wrapper)
+    if self.release_hook is not None:
+      self.release_hook(privatized)
     return list(zip(privatized, var_list))
 
   def compute_gradients(self, loss, var_list, tape=None) -> list[tuple[tf.Tensor, tf.Variable]]:
