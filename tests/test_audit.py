@@ -139,6 +139,10 @@ class _HalfNoiseSGD(tfdp_variants.DPSGD):
   algorithm_cls = _HalfNoise
 
 
+class _HalfNoiseAdam(tfdp_variants.DPAdam):
+  algorithm_cls = _HalfNoise
+
+
 class _NoClipSGD(tfdp_variants.DPSGD):
   algorithm_cls = _NoClip
 
@@ -191,6 +195,19 @@ def test_half_noise_is_a_violation():
   assert result.mu_lower > 1.0 and result.verdict == "VIOLATION"
 
 
+def test_half_noise_under_adam_is_a_violation_through_fit():
+  """Scored on the released gradient, not on Adam's update (a nonlinear function of it, which
+  read μ̂ ≈ 0.4 here): μ̂ near the true 2/σ = 4 against the claimed 1/σ = 2. The chance that
+  μ_lower stays ≤ 2 at 500 trials: about 1e-8 (1000 simulated audits of Gaussian scores: μ_lower
+  2.92 ± 0.17, the least 2.39)."""
+  result = audit.audit(lambda: _HalfNoiseAdam(l2_norm_clip=1.0, noise_multiplier=0.5,
+                                              learning_rate=1.0, name="HalfNoiseAdam"),
+                       trials=500, path="fit", alpha=ALPHA)
+  assert result.claimed_mu == pytest.approx(2.0)
+  assert abs(result.mu_hat - 4.0) < Z * _se(4.0, 500)  # 0.49.
+  assert result.mu_lower > 2.0 and result.verdict == "VIOLATION"
+
+
 def test_skipped_clipping_is_a_violation():
   result = audit.audit(lambda: _NoClipSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
                                           learning_rate=1.0), trials=200, alpha=ALPHA)
@@ -241,24 +258,29 @@ FIT_TRIALS = 2500  # fit pays Keras' per-step overhead (~4 s per 1000 trials): 4
 TRIALS = 300  # MirroredStrategy pays more (each step on 2 replicas): 4.5 SE = 16% of μ.
 Z = 4.5  # μ̂ within Z standard errors of the claim: a correct optimizer fails with prob. 7e-6.
 
+_RMSprop, _Adagrad = tf.keras.optimizers.RMSprop, tf.keras.optimizers.Adagrad
 CERTIFIED = {  # name: (optimizer class, its arguments besides C = 1 and learning_rate = 1).
+    # Every path meets every base optimizer (SGD, Adam, RMSprop, Adagrad): the score is the
+    # gradient the mechanism releases, before the base's update (a nonlinear function of it).
     "dpsgd": (tfdp_variants.DPSGD, dict(noise_multiplier=SIGMA)),
-    "microbatches": (tfdp_variants.DPSGD, dict(noise_multiplier=2 * SIGMA, num_microbatches=4)),
-    # Adam's first step is lr·√(1−β₂)·ĝ / (√(1−β₂)|ĝ| + ε): with ε = 10 ≫ √(1−β₂)|ĝ| it is linear
-    # in ĝ (to 1e-3), so fit's score, read from the weights, keeps the gradient's μ.
-    "pigdo": (tfdp_variants.PIAdam, dict(noise_multiplier=SIGMA, epsilon=10.0)),
-    "noisy_gradient_ca": (tfdp_variants.NoisyGradientSGD,
-                          dict(noise_multiplier=SIGMA, order="clip_then_noise")),
-    "adaptive_clip": (tfdp_variants.AdaptiveClipSGD, dict(noise_multiplier=SIGMA)),
-    "quantile_geometric": (tfdp_variants.QuantileClipSGD, dict(
+    "dpadam": (tfdp_variants.DPAdam, dict(noise_multiplier=SIGMA)),
+    "microbatches_rmsprop": (tfdp_variants.DPRMSprop,
+                             dict(noise_multiplier=2 * SIGMA, num_microbatches=4)),
+    "pigdo_rmsprop": (tfdp_variants.PIRMSprop, dict(noise_multiplier=SIGMA)),
+    "noisy_gradient_ca_adam": (tfdp_variants.NoisyGradientAdam,
+                               dict(noise_multiplier=SIGMA, order="clip_then_noise")),
+    "adaptive_clip_adagrad": (tfdp_variants.make_dp_optimizer_class(_Adagrad, "adaptive_clip"),
+                              dict(noise_multiplier=SIGMA)),
+    "quantile_geometric_adam": (tfdp_variants.QuantileClipAdam, dict(
         noise_multiplier=SIGMA, method="geometric", clipped_count_stddev=1.0)),
-    "layered_certified": (tfdp_variants.LayeredClipSGD,
-                          dict(noise_multiplier=SIGMA, certified=True)),
-    "tanh_certified": (tfdp_variants.TanhFilterSGD, dict(noise_multiplier=SIGMA, certified=True)),
+    "layered_certified_adagrad": (tfdp_variants.make_dp_optimizer_class(_Adagrad, "layered_clip"),
+                                  dict(noise_multiplier=SIGMA, certified=True)),
+    "tanh_certified_rmsprop": (tfdp_variants.make_dp_optimizer_class(_RMSprop, "tanh_filter"),
+                               dict(noise_multiplier=SIGMA, certified=True)),
 }
 # Combinations the package refuses by design, with the refusal's message.
 REFUSED = {
-    ("microbatches", "poisson"): "cannot be used with num_microbatches",
+    ("microbatches_rmsprop", "poisson"): "cannot be used with num_microbatches",
 }
 
 
@@ -280,7 +302,7 @@ def _se(mu, trials):
 def _audit(name, column, trials, **kwargs):
   """The audit of `name` in `column`, or (for a refused combination) the refusal checked."""
   extra = dict(expected_batch_size=8.0) if column == "poisson" else {}
-  kwargs.setdefault("adjacency", "replace" if name == "microbatches" else "remove")
+  kwargs.setdefault("adjacency", "replace" if name.startswith("microbatches") else "remove")
   if (name, column) in REFUSED:
     with pytest.raises(ValueError, match=REFUSED[name, column]):
       audit.audit(_factory(name, **extra), trials=trials, alpha=ALPHA, **kwargs)
@@ -304,7 +326,7 @@ def test_certified_algorithm_audit_matches_its_claim_in_a_custom_loop(name):
   """μ̂ within 4.5 SE of μ = 4 with SE² = 2/n + μ²/(4n) (`_se`): 4.4% of μ at n = 4000."""
   result = _audit(name, "custom", PRECISE_TRIALS)
   _assert_matches_claim(result, 0.05)
-  composed = name in ("adaptive_clip", "quantile_geometric")
+  composed = name.startswith(("adaptive_clip", "quantile_geometric"))
   assert result.claim.startswith("the gradient query") == composed
   assert (result.certified_mu > result.claimed_mu) == composed  # + the norm / count query.
 

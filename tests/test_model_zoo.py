@@ -576,3 +576,26 @@ def test_convolutions_of_unknown_sizes_take_their_rules(name):
                      model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
   _assert_rules(seen["rules"], want)
+
+
+@pytest.mark.parametrize("captured", ["numpy", "eager"])
+def test_step_closing_over_its_batch_takes_the_rules(captured):
+  """A custom loop whose tf.function closes over its batch (NumPy constants or captured eager
+  tensors: `refuse_in_loss` takes those of B rows for the data) takes the rules, not the exact
+  fallback (the audit's Dense took it), and stays exact (issue 38: plain Dense kernels fell back)."""
+  tf.keras.utils.set_random_seed(0)
+  model = _seq((3,), L.Dense(4, activation="tanh"), L.Dense(2))
+  x, y = _floats(B, 3), _floats(B, 2)
+  xs, ys = (x.numpy(), y.numpy()) if captured == "numpy" else (x, y)
+  seen = {}
+
+  @tf.function
+  def run():
+    grads = per_example.compute(engine_helpers.mse(ys, model(xs, training=True)),
+                                model.trainable_variables)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  for g, r, v in zip(run(), _single_example_gradients(model, x, y), model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
+  _assert_rules(seen["rules"], DENSE * 2)

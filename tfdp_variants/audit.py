@@ -23,9 +23,11 @@ a `tf.distribute` strategy or with Poisson batches (`expected_batch_size`):
   Poisson sampling the canary is dropped), or the anti-canary y = -K (`adjacency="replace"`: the
   canary's contribution turns into its opposite, the 2C sensitivity of a microbatch of several
   examples).
-- score: -⟨ĝ, u⟩ summed over the trial's steps, ĝ the privatized gradient. For DP-SGD with noise
-  multiplier σ, present ~ N(Δ/C, σ²) and absent ~ N(0, σ²) in units of C/M, so μ̂ ≈ Δ/(σC): 1/σ
-  for one example per microbatch.
+- score: -⟨ĝ, u⟩ summed over the trial's steps, ĝ the privatized gradient the optimizer releases
+  (under fit, read through its `release_hook` before the base optimizer's update, summed over the
+  replicas under a strategy), never the weights: an update such as Adam's is a nonlinear function
+  of ĝ, whose μ̂ would estimate nothing. For DP-SGD with noise multiplier σ, present ~ N(Δ/C, σ²)
+  and absent ~ N(0, σ²) in units of C/M, so μ̂ ≈ Δ/(σC): 1/σ for one example per microbatch.
 
 Every trial starts from the freshly built optimizer's state (each optimizer variable is reset),
 so trials are independent draws of the mechanism the certified event describes.
@@ -58,6 +60,7 @@ from scipy import stats
 import tensorflow as tf
 
 from tfdp_variants import accounting
+from tfdp_variants import replicas
 from tfdp_variants import stack
 
 ADJACENCIES = ("remove", "replace")
@@ -348,15 +351,19 @@ def _experiment(optimizer_factory: Callable[[], object], trials: int, batch_size
       raise ValueError("Poisson sampling (expected_batch_size) is add/remove adjacency: use "
                        "adjacency='remove'.")
     (xp, yp), (xa, ya), u = _batches(optimizer, batch_size, dim, adjacency, canary, seed)
+    direction = tf.constant(u[:, None], tf.float32)
     if path == "fit":
       model.compile(optimizer=optimizer, loss=_Loss())
+      score = _released_score(optimizer, direction)
     stack.build_optimizer(optimizer, model.trainable_variables)
   state = _optimizer_variables(optimizer)
   initial = [v.numpy() for v in state]
-  direction = tf.constant(u[:, None], tf.float32)
   if path == "fit":
-    scores = _fit_scores(model, optimizer, state, initial, (xp, yp), (xa, ya), direction, trials,
-                         steps)
+    try:
+      scores = _fit_scores(model, optimizer, state, initial, score, (xp, yp), (xa, ya), trials,
+                           steps)
+    finally:
+      optimizer.release_hook = None
   else:
     scores = _loop_scores(model, optimizer, state, initial, (xp, yp), (xa, ya), direction, trials,
                           steps)
@@ -379,45 +386,63 @@ def _loop_scores(model, optimizer, state, initial, present, absent, direction, t
     return total
 
   @tf.function
-  def run():
-    def body(i, xp, yp, xa, ya, scores_p, scores_a):  # Batches enter as the body's inputs.
+  def run(xp, yp, xa, ya):
+    # The batches are the function's arguments, which the loop body captures: proven to hold the
+    # examples on axis 0, so the per-example rules apply (loop state would not be).
+    def body(i, scores_p, scores_a):
       score_p = trial(xp, yp)
       with tf.control_dependencies([score_p]):
         score_a = trial(xa, ya)
-      return i + 1, xp, yp, xa, ya, scores_p.write(i, score_p), scores_a.write(i, score_a)
+      return i + 1, scores_p.write(i, score_p), scores_a.write(i, score_a)
     *_, scores_p, scores_a = tf.while_loop(
         lambda i, *_: i < trials, body,
-        (tf.constant(0), *map(tf.constant, present), *map(tf.constant, absent),
-         tf.TensorArray(tf.float32, size=trials), tf.TensorArray(tf.float32, size=trials)))
+        (tf.constant(0), tf.TensorArray(tf.float32, size=trials),
+         tf.TensorArray(tf.float32, size=trials)))
     return scores_p.stack(), scores_a.stack()
 
-  return [s.numpy().astype(np.float64) for s in run()]
+  return [s.numpy().astype(np.float64) for s in run(*map(tf.constant, (*present, *absent)))]
 
 
-def _fit_scores(model, optimizer, state, initial, present, absent, direction, trials, steps):
+def _fit_scores(model, optimizer, state, initial, score, present, absent, trials, steps):
   """`model.fit` over trials alternating present/absent, each `steps` batches; a callback resets
-  the kernel and the optimizer's state before each trial and reads ⟨w, u⟩/lr after it."""
-  learning_rate = float(tf.keras.backend.get_value(optimizer.learning_rate))
-  kernel = model.trainable_variables[0]
-  zero = np.zeros(kernel.shape, np.float32)
+  the optimizer's state before each trial and adds up `score`, −⟨ĝ, u⟩ of the gradient ĝ that
+  each step released (`_released_score`)."""
   scores = np.zeros(2 * trials)
 
   class Record(tf.keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
       if batch % steps == 0:
-        kernel.assign(zero)
         for v, value in zip(state, initial):
           v.assign(value)
 
     def on_train_batch_end(self, batch, logs=None):
-      if batch % steps == steps - 1:  # w = −lr Σ ĝ under SGD: its projection over lr.
-        scores[batch // steps] = float(np.sum(kernel.numpy() * direction.numpy())) / learning_rate
+      scores[batch // steps] += float(score.numpy())
 
   element = lambda xy: tf.data.Dataset.from_tensors(xy).repeat(steps)
   data = element(present).concatenate(element(absent)).repeat(trials)
   model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[Record()])
   return scores[0::2], scores[1::2]
+
+
+def _released_score(optimizer, direction: tf.Tensor) -> tf.Variable:
+  """A variable that each step of `optimizer` sets to −⟨ĝ, u⟩ of the gradient ĝ it releases,
+  summed over the replicas (their shares add up to the step's gradient): through its
+  `release_hook`, before the base optimizer's update, so the score is the mechanism's output
+  under any base (Adam's update, read from the weights, is a nonlinear function of ĝ)."""
+  if not hasattr(optimizer, "release_hook"):
+    raise ValueError(f"path='fit' scores the gradient a DP optimizer releases (its release_hook); "
+                     f"{type(optimizer).__name__} has none: audit one of this package's "
+                     "optimizers, or use path='compute_gradients'.")
+  score = tf.Variable(0.0, trainable=False,
+                      aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+  def hook(grads):
+    total = replicas.sum_across([tf.cast(grads[0], tf.float32)])[0]
+    score.assign(-tf.reduce_sum(total * direction))
+
+  optimizer.release_hook = hook
+  return score
 
 
 def canary_scores(optimizer_factory: Callable[[], object], trials: int, *, batch_size: int = 8,
@@ -443,11 +468,9 @@ def canary_scores(optimizer_factory: Callable[[], object], trials: int, *, batch
     canary: the canary's input direction u (default all ones, the worst case of per-coordinate
       transforms such as the tanh filter; clipping is rotation-invariant). Its gradient −K·u is
       clipped to C; the other examples' inputs are orthogonal to u.
-    path: "compute_gradients" (a custom loop: the score is −⟨ĝ, u⟩ of the released gradient) or
-      "fit" (`model.fit`: the score is ⟨w, u⟩/lr after the trial from w = 0, which is −⟨Σĝ, u⟩
-      for an SGD base; for other bases it is a post-processing of ĝ, so the bounds still hold
-      but μ̂ is the gradient's only for a step linear in ĝ: Adam's first step is, to a relative
-      √(1−β₂)|ĝ|/ε, with a large `epsilon` such as 10).
+    path: "compute_gradients" (a custom loop) or "fit" (`model.fit`). Either way the score is
+      −⟨ĝ, u⟩ of the privatized gradient ĝ the optimizer releases (in fit, read through its
+      `release_hook` before the base optimizer's update), whatever the base optimizer.
     strategy: a `tf.distribute.Strategy` (with path="fit") whose scope makes the model and
       optimizer; fit spreads each batch over its replicas.
     seed: seeds the other examples' inputs (public data; the noise stays the optimizer's own).

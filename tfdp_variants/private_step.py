@@ -17,7 +17,7 @@ import dataclasses
 import math
 import threading
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -113,6 +113,9 @@ class PrivateStep:
     steps: the int64 counter of privatized steps (made by `build`).
     rules: the per-example rule each variable took in the last traced step.
     self_check_flags: the self-check's flag of each trace that runs it in the step.
+    release_hook: None, or a function each step calls, in its graph, with the privatized gradients
+      it releases (one per variable, what `apply_gradients` takes; under a strategy, this replica's
+      share of their sum): how `tfdp_variants.audit` scores `fit`.
   """
 
   def __init__(self, algorithm: algorithms.Algorithm, num_microbatches: Optional[int],
@@ -135,6 +138,7 @@ class PrivateStep:
     self._released: dict[int, Released] = {}  # By thread: a replica's (MirroredStrategy).
     self.self_check_flags: list[tf.Variable] = []  # One per trace that checks (`self_check`).
     self._mixing_calls = stack.eager_mixing_calls()
+    self.release_hook: Optional[Callable[[list[tf.Tensor]], None]] = None
 
   def events(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
              num_layers: Optional[int] = None, num_parameters: Optional[int] = None
@@ -273,5 +277,7 @@ class PrivateStep:
     may read what it updates) and remembered as what `apply_gradients` may take."""
     trace.mark_released(privatized)
     self._released[threading.get_ident()] = Released(privatized, var_list, wrapper)
+    if self.release_hook is not None:
+      self.release_hook(privatized)
     return list(zip(privatized, var_list))
 

@@ -122,7 +122,8 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
   example's loss on axis 0 (or that of a step of one example) is recorded, and `guard` skips the
   runtime mixing check for it. A loss that depends on no example is analysed again with the
   captured tensors and constants of B rows taken for the batch, and refused if it still depends
-  on none. In a step of one example (`trace.one_example`) only values that variables carry from
+  on none; else the rules' proofs in its graph take them for the batch too
+  (`trace.data_from_constants`). In a step of one example (`trace.one_example`) only values that variables carry from
   earlier steps mix examples: a reshape that drops the batch axis of size 1 leaves no trace of
   it, so ops after it may look mixing.
   """
@@ -132,6 +133,7 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
     info = trace.loss_info(loss, loss.shape[0])
     if info == trace.NO_BATCH:
       raise ValueError(NO_DATA.format(loss.shape[0] or "B"))
+    trace.data_from_constants(loss.graph, loss.shape[0])  # The rules' proofs likewise.
   # One example mixes with no other in its step; only values carried from earlier steps count.
   single = trace.one_example(loss)
   if trace.carried(info):

@@ -797,6 +797,9 @@ _ASSIGN_HOPS = 3  # v3 ← v2 ← v1 ← the batch is followed; a longer chain i
 # The rules' proofs: bodies followed (a looped RNN's outputs feed its Dense head), assigns not
 # (`loss_info` refuses those).
 _AXES: _Mode = (True, 0, None)
+# Graphs of a step that closes over its batch: the batch size, whose captured tensors and
+# constants the rules' proofs take for data there, as `loss_info` did (`data_from_constants`).
+_CONSTANT_DATA: "weakref.WeakKeyDictionary[tf.Graph, int]" = weakref.WeakKeyDictionary()
 _MEMO: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 # Tensors that the DP mechanism released (the noised update): post-processing mixes nothing.
 _RELEASED: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
@@ -1128,10 +1131,17 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
   return memo[t.name]
 
 
+def data_from_constants(graph: tf.Graph, batch: int) -> None:
+  """Makes the rules' proofs in `graph` (`batch_info`) take its captured tensors and constants of
+  `batch` rows for data: its step closes over its batch, which `loss_info` found the loss depends
+  on in that mode alone (`self_check.refuse_in_loss`)."""
+  _CONSTANT_DATA[graph] = batch
+
+
 @tf.autograph.experimental.do_not_convert
 def batch_info(t: tf.Tensor) -> Info:
   """Where `t`'s examples lie: a `Batch` (axis None: no example), `Mixed`, or None if unknown."""
-  return _analyse(t, _graph_memo(t.graph, _AXES))
+  return _analyse(t, _graph_memo(t.graph, (*_AXES[:2], _CONSTANT_DATA.get(t.graph))))
 
 
 def ragged_rows(t: tf.Tensor) -> Optional[list[tf.Tensor]]:
@@ -1157,7 +1167,8 @@ def batch_axis(t: tf.Tensor) -> Optional[int]:
   """The axis of `t` along which examples lie, if proven; None if unknown, mixed or not batched.
 
   Base case: the data entering the step (the function's tensor arguments, iterator outputs) holds
-  examples on axis 0; variables, constants and captured eager tensors hold none; a Fill of the
+  examples on axis 0; variables, constants and captured eager tensors hold none (those of the
+  batch's rows do in a step closing over its batch: `data_from_constants`); a Fill of the
   batch size (`tf.zeros([tf.shape(x)[0], n])`, an RNN's first state) is batched; ragged and sparse
   components and any op without a rule in `_AXIS_RULES` are unknown. Calls, If and While bodies
   (to a fixed point over the loop variables) and TensorLists are followed as in `loss_info`, so the
