@@ -363,7 +363,7 @@ def _experiment(optimizer_factory: Callable[[], object], trials: int, batch_size
       scores = _fit_scores(model, optimizer, state, initial, score, (xp, yp), (xa, ya), trials,
                            steps)
     finally:
-      optimizer.release_hook = None
+      optimizer._dp.release_hook = None  # pylint: disable=protected-access
   else:
     scores = _loop_scores(model, optimizer, state, initial, (xp, yp), (xa, ya), direction, trials,
                           steps)
@@ -430,7 +430,8 @@ def _released_score(optimizer, direction: tf.Tensor) -> tf.Variable:
   summed over the replicas (their shares add up to the step's gradient): through its
   `release_hook`, before the base optimizer's update, so the score is the mechanism's output
   under any base (Adam's update, read from the weights, is a nonlinear function of ĝ)."""
-  if not hasattr(optimizer, "release_hook"):
+  step = getattr(optimizer, "_dp", None)  # Its `private_step.PrivateStep`.
+  if step is None:
     raise ValueError(f"path='fit' scores the gradient a DP optimizer releases (its release_hook); "
                      f"{type(optimizer).__name__} has none: audit one of this package's "
                      "optimizers, or use path='compute_gradients'.")
@@ -441,7 +442,7 @@ def _released_score(optimizer, direction: tf.Tensor) -> tf.Variable:
     total = replicas.sum_across([tf.cast(grads[0], tf.float32)])[0]
     score.assign(-tf.reduce_sum(total * direction))
 
-  optimizer.release_hook = hook
+  step.release_hook = hook
   return score
 
 

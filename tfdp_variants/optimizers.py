@@ -20,7 +20,7 @@ import functools
 import inspect
 import re
 import warnings
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import tensorflow as tf
 
@@ -108,15 +108,6 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
   def per_example_rules(self) -> Optional[tuple[str, ...]]:
     """The per-example rule each variable took in the last traced step (None before one)."""
     return self._dp.rules
-
-  @property
-  def release_hook(self) -> Optional[Callable[[list[tf.Tensor]], None]]:
-    """None, or a function each step calls with the gradients it releases (`PrivateStep`)."""
-    return self._dp.release_hook
-
-  @release_hook.setter
-  def release_hook(self, hook: Optional[Callable[[list[tf.Tensor]], None]]) -> None:
-    self._dp.release_hook = hook
 
   def raise_if_self_check_failed(self) -> None:
     """Raises RuntimeError if a step's self-check failed under XLA (the privacy callbacks ask)."""
