@@ -361,9 +361,13 @@ def test_certified_algorithm_audit_under_mirrored_strategy(name):
 def test_state_is_reset_every_trial(path):
   # AdaptiveClip with α = 10 moves C from 1 to about 17 in one step; reset, every trial clips to
   # C₀ = 1 and noises with σC₀: by hand, present − absent has mean C₀/B and the absent std σC₀/B.
+  made = []
   present, absent = audit.canary_scores(
-      lambda: tfdp_variants.AdaptiveClipSGD(1.0, 1.0, alpha=10.0, learning_rate=1.0),
+      lambda: made.append(tfdp_variants.AdaptiveClipSGD(1.0, 1.0, alpha=10.0,
+                                                         learning_rate=1.0)) or made[-1],
       TRIALS, batch_size=8, path=path)
+  # The audit's Dense kernel takes its rule on both paths (issue 38: the loop took the fallback).
+  assert made[0].per_example_rules == ("outer",)
   assert abs(np.mean(present) - np.mean(absent) - 1 / 8) < Z * math.sqrt(2 / TRIALS) / 8
   assert np.std(absent) == pytest.approx(1 / 8, rel=0.2)
   assert np.std(present) == pytest.approx(1 / 8, rel=0.2)

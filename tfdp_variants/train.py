@@ -189,7 +189,7 @@ AUDIT_ALPHA = 1e-3  # --audit stops a correct optimizer's run with probability �
 
 def audit_before_training(make_optimizer: Callable[[], object], sampling: sampling_lib.Sampling,
                           strategy: Optional[tf.distribute.Strategy], strategy_kind: str,
-                          num_microbatches: Optional[int], base: str, trials: int,
+                          num_microbatches: Optional[int], trials: int,
                           delta: float) -> dict:
   """--audit: prints `audit.audit` of one step of `make_optimizer()`; returns its summary record.
 
@@ -206,13 +206,12 @@ def audit_before_training(make_optimizer: Callable[[], object], sampling: sampli
   else:
     examples = replicas * -(-8 // replicas)
   adjacency = "replace" if sampling.kind == "shuffle" else "remove"
+  neighbours = ("one example replaced by another, as shuffled batches do" if adjacency == "replace"
+                else "one example added or removed, as Poisson-sampled batches do")
   notes = []
   if strategy_kind == "mirrored":
     path, audited_strategy = "fit", strategy
     where = f"model.fit under MirroredStrategy, {replicas} replicas"
-    if base != "sgd":
-      notes.append(f"Under fit the score is the {base} update, a post-processing of the "
-                   "gradient: the bounds hold, but μ̂ is not the gradient's.")
   else:
     path, audited_strategy, where = "compute_gradients", None, "compute_gradients, one device"
     if strategy_kind == "multi_worker":
@@ -220,8 +219,8 @@ def audit_before_training(make_optimizer: Callable[[], object], sampling: sampli
                    "canary batches among the workers): it ran on this worker's device without "
                    "the strategy, so the workers' aggregation is not audited.")
   print(f"Audit before training: {trials} canary trials per side on synthetic data (a linear model "
-        f"on R^4 and a gradient canary; it reads no training example), batches of {examples}, "
-        f"{adjacency} adjacency as the {sampling.kind} batches, via {where}.", flush=True)
+        f"on R^4 and a gradient canary; it reads no training example), batches of {examples}; "
+        f"neighbouring batches differ by {neighbours}; via {where}.", flush=True)
   result = audit.audit(make_optimizer, trials, delta=delta, alpha=AUDIT_ALPHA,
                        batch_size=examples, adjacency=adjacency, path=path,
                        strategy=audited_strategy)
@@ -294,7 +293,7 @@ def main(argv):
   if _AUDIT.value:
     config["audit"] = audit_before_training(
         lambda: optimizer_at(sigma), sampling, strategy, _STRATEGY.value, _MICRO.value,
-        _OPTIMIZER.value, _AUDIT_TRIALS.value, _DELTA.value)
+        _AUDIT_TRIALS.value, _DELTA.value)
     _stop_on_violation(config, logdir, chief)
   # Every worker logs (TensorBoard's callback and the privacy logger run on all of them); the
   # others write to a temporary directory, removed at the end.
