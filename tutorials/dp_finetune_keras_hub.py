@@ -24,7 +24,7 @@ Two ways to run it:
 Data: no text dataset ships with the package, so the task is a synthetic but learnable text
 classification made from data that does ship: scikit-learn's 8×8 digits, each image read as a
 "sentence" of 64 tokens (its pixel intensities 0..16 in row order, one token each) after a
-classification token; the label is the digit (10 classes). 1,437 training and 360 test examples.
+classification token; the label is the digit (10 classes). 1,438 training and 359 test examples.
 
 Privacy: Poisson sampling (`data.poisson_dataset`, secret batches, expected batch size B), one
 example per microbatch, C and σ below; the certified ε is dp_accounting's RDP bound of the
