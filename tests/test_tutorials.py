@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -113,3 +115,17 @@ def test_audit_your_training(tmp_path):
     assert (row["verdict"] != "uncertified") == has_event, name
   # Noise added before the clip bounds nothing: μ̂ ≈ 3 against the paper's 0.5 even at 100 trials.
   assert audits["NG AC (Lin)"]["exceeds_nominal"]
+
+
+@pytest.mark.keras3_only
+def test_dp_finetune_keras_hub(tmp_path):
+  pytest.importorskip("keras_hub")
+  stdout, results = _smoke("dp_finetune_keras_hub.py", tmp_path)
+  assert results["sampling"] == "poisson" and results["epochs"] == 2
+  dp, plain = results["dp"], results["nonprivate"]
+  assert dp["guarantee"] == "certified" and dp["epsilon"] > 0
+  assert "fallback" not in dp["rules"]  # The adapters and the head take the engine's rules.
+  assert dp["trainable_parameters"] == plain["trainable_parameters"] < dp["parameters"]  # LoRA.
+  for run in (dp, plain):
+    assert 0 <= run["test_accuracy"] <= 1 and run["step_ms"] > 0
+  assert f"certified ε = {dp['epsilon']:.3g}" in stdout
