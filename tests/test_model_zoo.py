@@ -391,12 +391,12 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
                                                                        bias_axes="c"),
                                                  L.Flatten(), L.Dense(2)),
                                     _floats(B, 4, 5), DENSE * 2),
-    # Behind an op without a batch-axis rule (Roll) every variable takes the fallback, which must
-    # not vectorize Keras 3's rank-3 NCHW BiasAdd (pfor's BiasAddGrad assumes rank 4).
+    # Behind a Roll along a feature axis, which the batch-axis analysis follows (issue 38: an op
+    # it cannot follow is refused, so it no longer sends the variables to the fallback).
     "einsum_dense_right_ellipsis_unproven": (
         lambda: _seq((4, 5), L.Lambda(lambda t: tf.roll(t, 1, axis=2)),
                      L.EinsumDense("ab...,bc->ac...", 3, bias_axes="c"), L.Flatten(), L.Dense(2)),
-        _floats(B, 4, 5), ["fallback"] * 4),
+        _floats(B, 4, 5), DENSE * 2),
     # A kernel read transposed: Keras 3 transposes it before a BatchMatMul, Keras 2's Einsum
     # reads it as (Q, C).
     "einsum_dense_transposed_kernel": (lambda: _seq((5, 4), L.EinsumDense(

@@ -55,8 +55,8 @@ def _synthetic(spec: Optional[tf.TensorSpec], batch: int) -> Optional[tf.Tensor]
   if spec is None:
     return None
   shape = [batch] + [1 if d is None else d for d in spec.shape[1:]]
-  if spec.dtype.is_floating:
-    return tf.cast(tf.random.normal(shape), spec.dtype)
+  if spec.dtype.is_floating:  # Stateless: the global seed's sequence is left as it was.
+    return tf.cast(tf.random.stateless_normal(shape, seed=[0, 0]), spec.dtype)
   if spec.dtype == tf.bool:
     return tf.ones(shape, tf.bool)
   return tf.zeros(shape, spec.dtype)
@@ -100,6 +100,8 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
   rules: list[tuple[str, ...]] = []
   if not model.trainable_variables:
     return None
+  state = _state(model, optimizer)
+  saved = [v.numpy() for v in state]
   try:
     check(xs, ys, ws)
   except tf.errors.InvalidArgumentError as e:
@@ -108,8 +110,30 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
     return None
   except Exception:  # pylint: disable=broad-except
     return None  # The real step raises whatever is structural, with the in-step check on.
+  finally:  # The model as the check found it: the first step draws what it would without it.
+    for v, value in zip(state, saved):
+      v.assign(value)
   _PASSED.setdefault(model, {})[key] = rules[-1]
   return rules[-1]
+
+
+def _state(model: tf.keras.Model, optimizer) -> list[tf.Variable]:
+  """Every variable the check's forward pass may change: the model's (Keras 3's seed generators
+  of Dropout, noise and augmentation layers among them), its metrics' and the optimizer's, and
+  the states of the `tf.random.Generator`s its layers draw from (Keras 2)."""
+  found = list(model.variables) + [v for m in model.metrics for v in m.variables]
+  optimizer_variables = getattr(optimizer, "variables", [])
+  found += list(optimizer_variables() if callable(optimizer_variables) else optimizer_variables)
+  for layer in model._flatten_layers():  # pylint: disable=protected-access
+    generator = getattr(getattr(layer, "_random_generator", None), "_generator", None)
+    if isinstance(generator, tf.random.Generator):
+      found.append(generator.state)
+  unique = {}
+  for v in found:
+    v = getattr(v, "value", v) if not isinstance(v, tf.Variable) else v
+    if isinstance(v, tf.Variable):
+      unique.setdefault(id(v), v)
+  return list(unique.values())
 
 
 _KERAS_TRAIN_STEP = tf.keras.Model.train_step

@@ -208,6 +208,9 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
 
   mb_losses, m = microbatch_losses(loss, num_microbatches)
   self_check_lib.refuse_in_loss(loss)
+  # A batch of static size 0 (a noise-only step) has no microbatch to check on any step of its
+  # trace; an empty batch of unknown size skips the check at run time (`self_check`).
+  self_check = self_check and mb_losses.shape[0] != 0
   graph = mb_losses.graph
   handles = [trace.captured_handle(graph, v) for v in variables]
   if trace.one_example(loss):

@@ -29,10 +29,11 @@ Mixing is refused statically, at trace time, on the graph's structure, never on 
 ops the loss depends on, in `tf.function`s and eagerly alike) and `trace.loss_info`, which proves
 that each example's loss depends on its example alone, or finds the op that mixes examples (behind
 `tf.stop_gradient`, on integer ids, through a value assigned to a variable the loss reads, on data
-closed over as constants) and raises naming it. The runtime half above (the gradient with respect
-to the step's inputs) is only a backstop for a loss the analysis leaves unknown (an op without an
-axis rule): there it still needs a nonzero input gradient and a float input with the batch on axis
-0, and logs when it has none. For a proven loss it does not run.
+closed over as constants) and raises naming it. A loss it cannot prove per example (an op without
+an axis rule, Python code, rows it cannot trace to the step's data) is refused too, naming the op
+where the analysis lost the examples (issue 38): a test on values cannot see mixing on integer
+ids. So every loss the engine accepts is proven, and the runtime half above (the gradient with
+respect to the step's inputs, for an unproven loss) no longer runs for any.
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ NO_DATA = ("The per-example loss depends on no input with the batch on axis 0: t
            "closes over its data (captured tensors or constants) and none of them has the "
            "loss's {} rows, so whether the model mixes examples cannot be checked. Pass the "
            "batch as an argument of the tf.function (or iterate over a tf.data.Dataset in it).")
+UNKNOWN = ("Cannot prove that each example's loss depends on that example alone: the batch-axis "
+           "analysis loses the examples at {}, so whether the model mixes examples cannot be "
+           "decided on the graph's structure. Compute per-example values with ops it follows "
+           "(TensorFlow's math, array and neural-network ops, Keras layers); run Python code "
+           "(tf.py_function, tf.numpy_function) in the input pipeline, on each example, before "
+           "the step; pass each batch to the tf.function as an argument or iterate a "
+           "tf.data.Dataset in it (a step that slices its batches from data it closes over must "
+           "slice every input at one position, with a positive stride along axis 0).")
 # Per graph, the names of the per-example losses proven free of mixing (`refuse_in_loss`).
 _PROVEN: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
 
@@ -118,30 +127,35 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
   """Refuses, at trace time, a per-example `loss` (B, ...) whose examples the model mixes.
 
   `refuse_batch_statistics` over the ops the loss depends on, then `trace.loss_info`: an op proven
-  to mix examples raises a ValueError naming it and its layer; a loss proven to hold each
-  example's loss on axis 0 (or that of a step of one example) is recorded, and `guard` skips the
-  runtime mixing check for it. A loss that depends on no example is analysed again with the
-  captured tensors and constants of B rows taken for the batch, and refused if it still depends
-  on none; else the rules' proofs in its graph take them for the batch too
-  (`trace.data_from_constants`). In a step of one example (`trace.one_example`) only values that variables carry from
-  earlier steps mix examples: a reshape that drops the batch axis of size 1 leaves no trace of
-  it, so ops after it may look mixing.
+  to mix examples raises a ValueError naming it and its layer; so does a loss the analysis cannot
+  prove per example (`trace.per_example_rows`: it lost the examples at an op it cannot follow,
+  which the error names with the fix), whatever the inputs' dtype: a test on values could not
+  see mixing on integer ids or behind `stop_gradient` (SPEC §6). A loss that depends on no example
+  is analysed again with the captured tensors and constants of B rows (and fixed windows of B
+  rows of them) taken for the batch, and refused if it still depends on none; else the rules'
+  proofs in its graph take them for the batch too (`trace.data_from_constants`). In a step of one
+  example (`trace.one_example`) only values that variables carry from earlier steps mix
+  examples: a reshape that drops the batch axis of size 1 leaves no trace of it, so ops after it
+  may look mixing. Every loss it lets through is recorded as proven.
   """
   refuse_batch_statistics(trace.ancestors(loss))
-  info = trace.loss_info(loss)
+  info, constants = trace.loss_info(loss), None
   if info == trace.NO_BATCH:
-    info = trace.loss_info(loss, loss.shape[0])
+    constants = loss.shape[0]
+    info = trace.loss_info(loss, constants)
     if info == trace.NO_BATCH:
       raise ValueError(NO_DATA.format(loss.shape[0] or "B"))
-    trace.data_from_constants(loss.graph, loss.shape[0])  # The rules' proofs likewise.
-  # One example mixes with no other in its step; only values carried from earlier steps count.
-  single = trace.one_example(loss)
+    trace.data_from_constants(loss.graph, constants)  # The rules' proofs likewise.
   if trace.carried(info):
     raise ValueError(CARRIED.format(info.describe()))
-  if isinstance(info, trace.Mixed) and not single:
-    raise ValueError(MIXING.format(info.describe()))
-  if single or info == trace.Batch(0):
-    _PROVEN.setdefault(loss.graph, set()).add(loss.name)
+  # One example mixes with no other in its step; only values carried from earlier steps count.
+  if not trace.one_example(loss):
+    if isinstance(info, trace.Mixed):
+      raise ValueError(MIXING.format(info.describe()))
+    if not trace.per_example_rows(info):
+      raise ValueError(UNKNOWN.format((info is None and trace.lost_at(loss, constants))
+                                      or f"the loss {loss.name} ({info})"))
+  _PROVEN.setdefault(loss.graph, set()).add(loss.name)
 
 
 def refuse_in_backward(graph: tf.Graph) -> None:

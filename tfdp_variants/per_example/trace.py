@@ -17,7 +17,10 @@ mode, `_MIXING`) makes its outputs `Mixed`, and so does every op downstream of i
 `StopGradient` and on integer tensors alike. The deep mode `loss_info` runs in also follows function
 bodies (calls, If, While to a fixed point over its loop variables, TensorLists) and the values
 assigned to a variable that the loss reads (a batch statistic written in `call`, weights perturbed
-with the batch gradient).
+with the batch gradient). Where it cannot follow the examples (an op without a rule, Python code,
+a loop's variable) the loss's info is unknown and the self-check refuses it, naming the op
+(`lost_at`). A window of rows sliced along axis 0 of the batch or of data the step closes over
+(`_window`, a `tf.range` loop over captured arrays) is its own batch, which meets no other.
 """
 
 from __future__ import annotations
@@ -95,15 +98,20 @@ class Mixed:
 
   def describe(self) -> str:
     """The op, its Keras layer (name scope) where it has one, and why it mixes."""
-    scope = self.op.name.rpartition("/")[0]
-    where = f" in layer (name scope) '{scope}'" if scope else ""
-    return f"op '{self.op.name}' ({self.op.type}){where} {self.why}"
+    return f"{where(self.op)} {self.why}"
+
+
+def where(op: tf.Operation) -> str:
+  """`op`'s name and type, and its Keras layer (name scope) where it has one."""
+  scope = op.name.rpartition("/")[0]
+  return f"op '{op.name}' ({op.type})" + (f" in layer (name scope) '{scope}'" if scope else "")
 
 
 NO_BATCH = Batch(None)
 _DATA = Batch(0)
 MERGED = ("merged",)  # `Batch.block` of an axis that interleaves the examples (a merging reshape).
 RAGGED = ("ragged",)  # `Batch.block` of a ragged argument's flat values (then its splits' names).
+WINDOW = ("window",)  # `Batch.block` of a window of rows (`_window`), then its position's key.
 Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 
 
@@ -264,6 +272,15 @@ def _spatial(op: tf.Operation, ins: list[Info]) -> Info:
   return None
 
 
+def _image_transform(op: tf.Operation, ins: list[Info]) -> Info:
+  """ImageProjectiveTransform (Keras' random translation, rotation, zoom): each image by its own
+  transform (a row of the transforms, batched as the images) or by one for all."""
+  images, transforms = ins[:2]
+  if images.axis == 0 and transforms.axis in (None, 0) and all(i.axis is None for i in ins[2:]):
+    return images
+  return None
+
+
 def _fused_batch_norm(op: tf.Operation, ins: list[Info]) -> Info:
   """Training mode normalizes over all axes but the channel: per-example only if that is the batch.
 
@@ -302,6 +319,14 @@ def _without_units(shape: tf.TensorShape, keep: Optional[int] = None) -> tuple[t
 
 
 def _reshape(op: tf.Operation, ins: list[Info]) -> Info:
+  """`_reshape_rows` of the window's rows, for a window (`_window`): it stays that window."""
+  if ins[0].block[:1] != WINDOW:
+    return _reshape_rows(op, ins)
+  out = _reshape_rows(op, [dataclasses.replace(ins[0], block=())] + ins[1:])
+  return None if out is None or out.block else dataclasses.replace(out, block=ins[0].block)
+
+
+def _reshape_rows(op: tf.Operation, ins: list[Info]) -> Info:
   """Reshape keeps an example-major leading axis: examples are contiguous blocks of the flat data.
 
   Size-1 axes are dropped on both sides first (they move no element: LayerNormalization's
@@ -413,9 +438,10 @@ def _split(op: tf.Operation, ins: list[Info]) -> Info:
   return ins[data]
 
 
-def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
-  """Whole along the batch axis (stride 1, not shrunk). Walking the slice's entries: a new axis
-  (`x[:, None]`, Keras 2's attention mask) adds an output axis, a shrunk one removes an input axis."""
+def _strided_slice(op: tf.Operation, ins: list[Info], window: bool = False) -> Info:
+  """Whole along the batch axis (stride 1, not shrunk; a `window` any positive stride). Walking the
+  slice's entries: a new axis (`x[:, None]`, Keras 2's attention mask) adds an output axis, a
+  shrunk one removes an input axis."""
   b, strides = ins[0].axis, constant_value(op.inputs[3])
   bit = lambda name, i: op.get_attr(name) >> i & 1
   if op.get_attr("ellipsis_mask") or strides is None:
@@ -425,7 +451,8 @@ def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
     if bit("new_axis_mask", i):
       o += 1
     elif a == b:
-      whole = bit("begin_mask", i) and bit("end_mask", i) and stride == 1
+      whole = (window and stride > 0) or (bit("begin_mask", i) and bit("end_mask", i)
+                                           and stride == 1)
       return Batch(o) if whole and not bit("shrink_axis_mask", i) else None
     else:
       a, o = a + 1, o + (0 if bit("shrink_axis_mask", i) else 1)
@@ -433,9 +460,12 @@ def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _slice(op: tf.Operation, ins: list[Info]) -> Info:
-  begin, size = constant_value(op.inputs[1]), constant_value(op.inputs[2])
+  """Whole along the batch axis; the other axes' begins and sizes may be computed (a random crop)."""
+  begin = tf.get_static_value(op.inputs[1], partial=True)
+  size = tf.get_static_value(op.inputs[2], partial=True)
   b = ins[0].axis
-  return ins[0] if begin is not None and size is not None and begin[b] == 0 and size[b] == -1 else None
+  return ins[0] if (begin is not None and size is not None and ins[1].axis is None
+                    and ins[2].axis is None and begin[b] == 0 and size[b] == -1) else None
 
 
 def _pad(op: tf.Operation, ins: list[Info]) -> Info:
@@ -465,6 +495,8 @@ def _gather(op: tf.Operation, ins: list[Info]) -> Info:
   """GatherV2/ResourceGather: rows of an unbatched table by batched ids, or a non-batch axis."""
   params, ids = ins[0], ins[1]
   axis = 0 if op.type == "ResourceGather" else constant_value(op.inputs[2])
+  if _per_example_gather(op, ins):  # `tf.gather(..., batch_dims=k)` within each example.
+    return params
   if op.get_attr("batch_dims") != 0 or axis is None:
     return None
   if params.axis is None and ids.axis is not None and _rank(op.inputs[0]) is not None:
@@ -475,6 +507,66 @@ def _gather(op: tf.Operation, ins: list[Info]) -> Info:
       return None
     return Batch(params.axis if axis > params.axis else params.axis + _rank(op.inputs[1]) - 1)
   return None
+
+
+def _per_example_gather(op: tf.Operation, ins: list[Info]) -> bool:
+  """A gather with batch_dims whose params and ids hold the examples on one of those axes."""
+  dims, params, ids = op.get_attr("batch_dims"), ins[0], ins[1]
+  dims = _norm(dims, _rank(op.inputs[1])) if dims < 0 else dims
+  return bool(dims) and _batched(params) and _batched(ids) and params.axis == ids.axis and (
+      not params.block and not ids.block and params.axis < dims)
+
+
+def _position(t: tf.Tensor, info: Info, memo: dict) -> bool:
+  """Whether `t` (a slice's begin, end or strides) depends on no example's values: it does
+  (`info` NO_BATCH), or it is computed in integers of rank 0 or 1 from those and from scalar
+  integers the analysis does not follow (a loop's counter)."""
+  stack, seen = [t], set()
+  while stack:
+    x = stack.pop()
+    if x.name in seen or (x is not t and memo.get(x.name) == NO_BATCH) or (
+        x is t and info == NO_BATCH):
+      continue
+    seen.add(x.name)
+    if not x.dtype.is_integer or x.shape.rank is None or x.shape.rank > 1 or (
+        x.op.type == "Placeholder" and x.shape.rank):
+      return False
+    stack.extend(x.op.inputs)
+  return True
+
+
+_WINDOWS = frozenset({"StridedSlice", "Slice"})
+
+
+def _window(op: tf.Operation, ins: list[Info], memo: dict) -> Optional[Batch]:
+  """A window of rows, each one example's: a slice along axis 0 (positive stride, not shrunk) of
+  the batch or of a tensor that depends on no example (a data set the step closes over, as a
+  constant or a variable, sliced by a loop's counter, or in `loss_info`'s constants mode by the
+  batch's static size), at a position that depends on no example's values (`_position`). Its
+  block (`WINDOW`) keys the position's computation (`_structure`), so only windows at one
+  position combine (the inputs and labels of one step); a window meets no other batch."""
+  x, source = ins[0], op.inputs[0]
+  if not isinstance(x, Batch) or x.block or x.axis not in (0, None) or not _rank(source) or not all(
+      _position(t, i, memo) for t, i in zip(op.inputs[1:], ins[1:])):
+    return None
+  begin = constant_value(op.inputs[1])
+  if op.type == "Slice":
+    size = constant_value(op.inputs[2])
+    out = None if begin is not None and size is not None and (begin[0], size[0]) == (0, -1) else (
+        Batch(0))
+    masks = ()
+  else:
+    masks = tuple(op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                           "new_axis_mask", "shrink_axis_mask"))
+    whole = _strided_slice(op, [Batch(0)] + ins[1:])
+    out = None if whole is not None or masks[3] & 1 else _strided_slice(
+        op, [Batch(0)] + ins[1:], window=True)
+  if out is None or out.axis != 0:
+    return None
+  if x.axis is None and begin is not None and not _rows_of(op.outputs[0], memo["mode"][2]):
+    return None  # A fixed slice of weights or constants, not of data.
+  key = (op.type, masks, tuple(_structure(t, source, {}) for t in op.inputs[1:]))
+  return Batch(0, (*WINDOW, key))
 
 
 def _structure(t: tf.Tensor, source: tf.Tensor, memo: dict) -> tuple:
@@ -621,6 +713,36 @@ def _cumulative(op: tf.Operation, ins: list[Info]) -> Info:
       axis, _rank(op.inputs[0])) not in (None, ins[0].axis) else None
 
 
+def _axes_of(op: tf.Operation, k: int) -> Optional[list[int]]:
+  """The axes (normalized) that input `k` of `op` names, for its data input 0; None if unknown."""
+  axes, rank = constant_value(op.inputs[k]), _rank(op.inputs[0])
+  if axes is None or rank is None:
+    return None
+  return [_norm(a, rank) for a in (axes if isinstance(axes, list) else [axes])]
+
+
+def _roll(op: tf.Operation, ins: list[Info]) -> Info:
+  """Roll along non-batch axes (`_mix_roll` along the batch axis)."""
+  axes = _axes_of(op, 2)
+  return ins[0] if axes is not None and ins[0].axis not in axes and all(
+      i.axis is None for i in ins[1:]) else None
+
+
+def _top_k(op: tf.Operation, ins: list[Info]) -> Info:
+  """TopKV2 (`tf.sort`, `tf.argsort` on any axis) sorts along the last axis."""
+  return ins[0] if ins[0].axis != _norm(-1, _rank(op.inputs[0])) and ins[1].axis is None else None
+
+
+def _segments(op: tf.Operation, ins: list[Info]) -> Info:
+  """UnsortedSegment* reduce the leading axes that the segment ids cover into one segment axis:
+  per example where the ids depend on no example and cover no batch axis (`_mix_segments`)."""
+  data, ids = ins[:2]
+  r = _rank(op.inputs[1])
+  if ids.axis is not None or r is None or data.axis < r or any(i.axis is not None for i in ins[2:]):
+    return None
+  return Batch(data.axis - r + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Proofs of mixing: f(op, input infos, some unknown) -> why the op combines several examples, or
 # None. Each holds whatever the unknown inputs are.
@@ -712,6 +834,43 @@ def _mix_einsum(op: tf.Operation, ins: list[Info]) -> Optional[str]:
   return _CROSSES if len(labels) > 1 else None
 
 
+def _mix_roll(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  axes = _axes_of(op, 2)
+  x = ins[0]
+  return ("rolls along the batch axis (each example takes another's values)" if _batched(x) and (
+      axes is None or x.axis in axes) and _several(op.inputs[0], x.axis) else None)
+
+
+def _mix_top_k(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  x = ins[0]
+  return ("sorts along the batch axis" if _batched(x) and x.axis == _norm(
+      -1, _rank(op.inputs[0])) and _several(op.inputs[0], x.axis) else None)
+
+
+def _mix_gather(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """A gather along the batch axis of batched params reorders or copies examples; batched ids
+  into batched params pick rows by another example's values."""
+  params, ids = ins[:2]
+  if not _batched(params) or _per_example_gather(op, ins):
+    return None
+  if _batched(ids):
+    return _CROSSES
+  axis = 0 if op.type == "ResourceGather" else constant_value(op.inputs[2])
+  axis = None if axis is None else _norm(axis, _rank(op.inputs[0]))
+  return ("gathers along the batch axis (reorders or copies examples)" if axis in (
+      None, params.axis) and _several(op.inputs[0], params.axis) else None)
+
+
+def _mix_segments(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """UnsortedSegment* over segment ids that cover the batch axis sum examples into segments (a
+  ragged argument's rows into their examples excepted: `_ragged_reduction`)."""
+  data, r = ins[0], _rank(op.inputs[1])
+  if not _batched(data) or _ragged_reduction(op, ins) is not None:
+    return None
+  return ("reduces examples into segments" if r is None or data.axis < r or _batched(ins[1])
+          else None)
+
+
 def _mix_batch_norm(op: tf.Operation, ins: list[Info]) -> Optional[str]:
   x = ins[0]
   if not _batched(x) or not op.get_attr("is_training"):
@@ -733,6 +892,8 @@ _MIXING: dict[str, Callable[[tf.Operation, list[Info]], Optional[str]]] = {
     "BatchMatMulV3": _mix_batch_matmul, "Einsum": _mix_einsum,
     "FusedBatchNorm": _mix_batch_norm, "FusedBatchNormV2": _mix_batch_norm,
     "FusedBatchNormV3": _mix_batch_norm,
+    "Roll": _mix_roll, "TopKV2": _mix_top_k, "GatherV2": _mix_gather,
+    "ResourceGather": _mix_gather,
 }
 
 
@@ -743,6 +904,13 @@ _ELEMENTWISE = (
     "Pow RealDiv Reciprocal Relu Relu6 Round Rsqrt Select SelectV2 Selu Sigmoid Sign Sin Sinh "
     "Softplus Softsign Sqrt Square SquaredDifference Sub Tan Tanh TruncateDiv Xdivy Xlogy "
     "ZerosLike").split()
+# Elementwise ops the layers above rarely emit but models may (issue 38): math, bitwise, string.
+_ELEMENTWISE += (
+    "Acos Acosh ApproximateEqual AsString Asin Asinh Atan Atan2 Atanh BesselI0e BesselI1e "
+    "Betainc BitwiseAnd BitwiseOr BitwiseXor Digamma Erfinv Igamma Igammac Inv Invert IsInf "
+    "LeftShift Lgamma Ndtri NextAfter Polygamma PopulationCount RegexReplace RightShift Rint "
+    "StaticRegexReplace StringLower StringStrip StringToHashBucket StringToHashBucketFast "
+    "StringToHashBucketStrong StringToNumber StringUpper TruncateMod Xlog1py Zeta").split()
 _SAME = "Identity Snapshot StopGradient PreventGradient CheckNumerics EnsureShape Cast Bitcast".split()
 _SPATIAL = ("Conv2D Conv3D DepthwiseConv2dNative Conv2DBackpropInput Conv3DBackpropInputV2 "
             "MaxPool MaxPoolV2 MaxPool3D AvgPool AvgPool3D ResizeBilinear ResizeNearestNeighbor "
@@ -770,14 +938,20 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
     "SoftmaxCrossEntropyWithLogits": _cross_entropy,
     "SparseSoftmaxCrossEntropyWithLogits": _cross_entropy, "BroadcastTo": _broadcast_to,
     "Cumsum": _cumulative, "Cumprod": _cumulative, "CumulativeLogsumexp": _cumulative,
+    "Roll": _roll, "TopKV2": _top_k, "ImageProjectiveTransformV2": _image_transform,
+    "ImageProjectiveTransformV3": _image_transform,
 }
 _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
+_MIXING.update({t: _mix_segments for t in _SEGMENT_REDUCTIONS})
+_AXIS_RULES.update({t: _segments for t in _SEGMENT_REDUCTIONS})
 # Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
 # on a blocked tensor makes the axis unknown.
 _BLOCK_SAFE = frozenset({*_ELEMENTWISE, *_SAME, "ExpandDims", "Squeeze", "Conv2D", "Conv3D",
                          "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
                          "BatchToSpaceND", "MatMul", "FusedBatchNorm", "FusedBatchNormV2",
                          "FusedBatchNormV3", "GatherV2", "ResourceGather", *_REDUCTIONS})
+# Ops that run Python code, which may read any data (a generator): their outputs are unknown.
+_OPAQUE = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 # Ops whose value does not depend on the data's values (shapes) or that start from nothing.
 _NO_BATCH_OPS = frozenset({"Rank", "Const", "VarHandleOp", "TensorListLength",
                            "TensorListElementShape"})
@@ -1088,6 +1262,10 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = [mixed] * len(op.outputs)
       elif why is not None:
         outs = [Mixed(op, why)] * len(op.outputs)
+      elif op.type in _OPAQUE:
+        outs = [None] * len(op.outputs)
+      elif op.type in _WINDOWS and (window := _window(op, ins, memo)) is not None:
+        outs = [window]
       elif op.type in _SEGMENT_REDUCTIONS and (
           reduced := _ragged_reduction(op, ins)) is not None:
         outs = [reduced]
@@ -1116,8 +1294,9 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         blocks = {i.block for i in ins if i.axis is not None}
         block = {b for b in blocks if b}
         if block and out is not None and op.type not in ("BatchToSpaceND", "Reshape"):
-          out = dataclasses.replace(out, block=block.pop()) if (
-              op.type in _BLOCK_SAFE and len(blocks) == 1) else None
+          block = block.pop()  # A window's rows stay the window's through any rule.
+          out = dataclasses.replace(out, block=block) if (
+              (op.type in _BLOCK_SAFE or block[:1] == WINDOW) and len(blocks) == 1) else None
         outs = [out] * len(op.outputs)
       else:
         outs = [None] * len(op.outputs)
@@ -1184,6 +1363,43 @@ def loss_info(loss: tf.Tensor, constants: Optional[int] = None) -> Info:
   assigned to the variables it reads; with `constants` (the batch size), captured tensors and
   constants with that many rows count as data (a step that closes over its batch)."""
   return _analyse(loss, _graph_memo(loss.graph, (True, _ASSIGN_HOPS, constants)))
+
+
+def per_example_rows(info: Info) -> bool:
+  """Whether `info` proves row i of a loss to be example i's alone: the batch on axis 0, or a
+  window of it (`_window`)."""
+  return isinstance(info, Batch) and info.axis == 0 and (not info.block or
+                                                         info.block[:1] == WINDOW)
+
+
+def lost_at(loss: tf.Tensor, constants: Optional[int] = None) -> Optional[str]:
+  """Where `loss_info(loss, constants)` lost the examples, described: following unknown tensors
+  back from the loss (into enclosing graphs through captures), the first op whose outputs it could
+  not follow though it knew every input, and why; None if none is found."""
+  mode, stack, seen = (True, _ASSIGN_HOPS, constants), [loss], set()
+  while stack:
+    t = stack.pop()
+    if t.name in seen or _graph_memo(t.graph, mode).get(t.name, NO_BATCH) is not None:
+      continue
+    seen.add(t.name)
+    op = t.op
+    outer = _capture_sources(op.graph).get(t.name) if op.type == "Placeholder" else None
+    unknown = [outer] if outer is not None else [
+        i for i in op.inputs if _graph_memo(op.graph, mode).get(i.name, NO_BATCH) is None]
+    if unknown:
+      stack.extend(unknown)
+      continue
+    if op.type == "Placeholder":
+      why = ("is a loop's variable, a branch's input or a component of a ragged or sparse "
+             "argument, whose rows the analysis does not follow")
+    elif op.type in _OPAQUE:
+      why = "runs Python code, which may read any data (a generator) or mix examples"
+    elif any(v.HasField("func") for v in op.node_def.attr.values()):
+      why = "runs a function body whose outputs the analysis cannot follow"
+    else:
+      why = "is an op whose effect on the batch axis the analysis does not know"
+    return f"{where(op)} {why}"
+  return None
 
 
 def carried(info: Info) -> bool:
