@@ -432,6 +432,37 @@ def _strided_slice(op: tf.Operation, ins: list[Info]) -> Info:
   return Batch(o + b - a)
 
 
+def _ellipsis_slice(op: tf.Operation, ins: list[Info]) -> Info:
+  """StridedSlice, an ellipsis (`x[..., None]`, Gemma's attention) expanded to the whole axes it
+  stands for, then walked as `_strided_slice` walks its entries."""
+  if not op.get_attr("ellipsis_mask"):
+    return _strided_slice(op, ins)
+  strides, rank = constant_value(op.inputs[3]), _rank(op.inputs[0])
+  bits = {name: op.get_attr(f"{name}_mask") for name in ("begin", "end", "shrink_axis",
+                                                         "new_axis", "ellipsis")}
+  if strides is None or rank is None or bin(bits["ellipsis"]).count("1") != 1:
+    return None
+  bit = lambda name, i: bits[name] >> i & 1
+  spans = rank - sum(1 for i in range(len(strides)) if not (bit("new_axis", i)
+                                                            or bit("ellipsis", i)))
+  entries = []  # (whole, shrunk, new) of each entry, the ellipsis as `spans` whole axes.
+  for i, stride in enumerate(strides):
+    if bit("ellipsis", i):
+      entries += [(True, False, False)] * spans
+    else:
+      entries.append((bit("begin", i) and bit("end", i) and stride == 1, bit("shrink_axis", i),
+                      bit("new_axis", i)))
+  b, a, o = ins[0].axis, 0, 0
+  for whole, shrunk, new in entries:
+    if new:
+      o += 1
+    elif a == b:
+      return Batch(o) if whole and not shrunk else None
+    else:
+      a, o = a + 1, o + (0 if shrunk else 1)
+  return Batch(o + b - a)
+
+
 def _slice(op: tf.Operation, ins: list[Info]) -> Info:
   begin, size = constant_value(op.inputs[1]), constant_value(op.inputs[2])
   b = ins[0].axis
@@ -475,6 +506,34 @@ def _gather(op: tf.Operation, ins: list[Info]) -> Info:
       return None
     return Batch(params.axis if axis > params.axis else params.axis + _rank(op.inputs[1]) - 1)
   return None
+
+
+def _batched_gather(op: tf.Operation, ins: list[Info]) -> Info:
+  """GatherV2 with `batch_dims` b > 0 (Keras' `take_along_axis`: each row of the params gathers
+  by its own row of ids): the params' examples on an axis before b, the ids depending on no example
+  (or on the same axis), keep their axis; b = 0: `_gather`."""
+  dims = op.get_attr("batch_dims")
+  if dims == 0:
+    return _gather(op, ins)
+  params, ids = ins[0], ins[1]
+  if params.axis is None or ins[2].axis is not None or dims < 0 or params.axis >= dims:
+    return None
+  return params if ids.axis in (None, params.axis) else None
+
+
+# Ops that transform their input's last n axes together (top-k, FFTs): n.
+_LAST_AXES = {"TopKV2": 1, "FFT": 1, "IFFT": 1, "RFFT": 1, "IRFFT": 1, "FFT2D": 2, "IFFT2D": 2,
+              "RFFT2D": 2, "IRFFT2D": 2, "FFT3D": 3, "IFFT3D": 3, "RFFT3D": 3, "IRFFT3D": 3}
+
+
+def _last_axes(op: tf.Operation, ins: list[Info]) -> Info:
+  """`_LAST_AXES`: the batch axis kept when it is not among them, the other inputs (k, lengths)
+  depending on no example."""
+  rank = _rank(op.inputs[0])
+  if rank is None or any(i.axis is not None for i in ins[1:]) or ins[0].axis >= rank - _LAST_AXES[
+      op.type]:
+    return None
+  return ins[0]
 
 
 def _structure(t: tf.Tensor, source: tf.Tensor, memo: dict) -> tuple:
@@ -712,6 +771,14 @@ def _mix_einsum(op: tf.Operation, ins: list[Info]) -> Optional[str]:
   return _CROSSES if len(labels) > 1 else None
 
 
+def _mix_last_axes(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """`_LAST_AXES` ops over the batch axis (a top-k or an FFT across examples)."""
+  x, rank = ins[0], _rank(op.inputs[0])
+  return ("transforms the batch axis with others (a top-k or a Fourier transform across "
+          "examples)" if _batched(x) and rank is not None and x.axis >= rank - _LAST_AXES[op.type]
+          and _several(op.inputs[0], x.axis) else None)
+
+
 def _mix_batch_norm(op: tf.Operation, ins: list[Info]) -> Optional[str]:
   x = ins[0]
   if not _batched(x) or not op.get_attr("is_training"):
@@ -763,14 +830,17 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
     "FusedBatchNormV3": _fused_batch_norm,
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack, "ConcatV2": _concat,
-    "Split": _split, "SplitV": _split, "StridedSlice": _strided_slice, "Slice": _slice,
+    "Split": _split, "SplitV": _split, "StridedSlice": _ellipsis_slice, "Slice": _slice,
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "Tile": _tile, "ReverseV2": _reverse,
-    "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
+    "GatherV2": _batched_gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space,
     "SoftmaxCrossEntropyWithLogits": _cross_entropy,
     "SparseSoftmaxCrossEntropyWithLogits": _cross_entropy, "BroadcastTo": _broadcast_to,
     "Cumsum": _cumulative, "Cumprod": _cumulative, "CumulativeLogsumexp": _cumulative,
+    **{t: _last_axes for t in _LAST_AXES}, "Complex": _broadcast, "Real": _first,
+    "Imag": _first, "ComplexAbs": _first,
 }
+_MIXING.update({t: _mix_last_axes for t in _LAST_AXES})
 _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 # Ops that keep a SpaceToBatchND's block order (the ops of a dilated convolution); any other op
 # on a blocked tensor makes the axis unknown.
