@@ -29,14 +29,10 @@ RULES = {
     "vit": {"rowsum": 26, "outer": 14},
 }
 # name -> variables still on the exact fallback (exact, slower): DeBERTaV3's relative position
-# embeddings are projected by the attention's query and key kernels with no example in them, and
-# the mixture-of-experts banks contract an expert axis that the einsum rule does not take.
-FALLBACK = {
-    "deberta_v3": 11,
-    "mixtral": 6,
-    "qwen3_moe": 4,
-}
-LORA = ["gpt2", "gemma", "llama", "bert", "vit"]
+# embeddings (a table, its normalization, and the query and key kernels that also project it)
+# reach the attention scores through products with no example in them.
+FALLBACK = {"deberta_v3": 11}
+LORA = ["gpt2", "gemma", "llama", "bert", "vit", "mixtral"]
 
 
 def _example(x, i):
@@ -86,3 +82,36 @@ def test_lora_factors_take_their_rules(name):
   rule (the low-rank pull-back of its layer's weight)."""
   rules = _check(name, lora=True)
   assert "fallback" not in rules
+
+
+def _fit_private(model, x, y):
+  import tfdp_variants  # pylint: disable=import-outside-toplevel
+  model.compile(optimizer=tfdp_variants.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0),
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                   reduction="none"))
+  model.fit(x, y, batch_size=keras_hub_models.B, epochs=1, verbose=0)
+
+
+def test_mixture_of_experts_load_balancing_loss_is_refused():
+  """Mixtral adds a load-balancing loss over the whole batch (`add_loss` in training): it mixes the
+  examples, so a private fit refuses it; its routing itself is per token, on rules (the zoo)."""
+  tf.keras.utils.set_random_seed(0)
+  model, x = keras_hub_models.MODELS["mixtral"]()
+  with pytest.raises(ValueError, match="computed from the batch"):
+    _fit_private(model, x, x["token_ids"])
+
+
+def test_batch_normalization_is_refused_naming_the_fix():
+  """KerasHub's ResNet normalizes with batch statistics in training: refused, the message naming
+  `batch_norm_to_group_norm`."""
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  tf.keras.utils.set_random_seed(0)
+  backbone = keras_hub.models.ResNetBackbone(
+      input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64],
+      stackwise_num_blocks=[1], stackwise_num_strides=[1], block_type="basic_block",
+      image_shape=keras_hub_models.IMAGE)
+  model = keras_hub.models.ResNetImageClassifier(backbone=backbone, num_classes=3,
+                                                 preprocessor=None)
+  x = keras_hub_models.MODELS["vit"]()[1]
+  with pytest.raises(ValueError, match="batch_norm_to_group_norm"):
+    _fit_private(model, x, np.arange(keras_hub_models.B) % 3)

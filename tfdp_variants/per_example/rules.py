@@ -421,6 +421,11 @@ class _Einsum:
   out_perm: list
   contracted: int
   transposed: bool = False
+  # Any other kernel layout (mixture-of-experts banks, "th,ehm->etm" and "eti,eih->eth"): w's
+  # axes as (C, G, Q) sizes, G the labels of x, w and the output alike (one product per expert),
+  # and the perm from that layout to w's; x is transposed to (P, G, C), the output to (P, G, Q).
+  layout: Optional[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = None
+  w_perm: Optional[tuple[int, ...]] = None
 
 
 def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
@@ -431,17 +436,24 @@ def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
   if labels is None:
     return None
   (x_spec, w_spec), out = labels
-  c = [a for a in w_spec if a in x_spec]
+  g = [a for a in w_spec if a in x_spec and a in out]
+  c = [a for a in w_spec if a in x_spec and a not in out]
   q = [a for a in w_spec if a not in x_spec]
   p = [a for a in x_spec if a not in w_spec]
   axis = trace.batch_axis(op.inputs[0])
   if (any(len(set(spec)) != len(spec) for spec in (x_spec, w_spec, out))
-      or list(w_spec) not in (c + q, q + c) or sorted(out) != sorted(p + q)
-      or len(w_spec) != var_input.shape.rank or axis is None or x_spec[axis] not in p):
+      or sorted(out) != sorted(p + g + q) or len(w_spec) != var_input.shape.rank
+      or axis is None or x_spec[axis] not in p):
     return None
   p = [x_spec[axis]] + [a for a in p if a != x_spec[axis]]  # The examples first.
-  return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c),
-                 transposed=bool(c and q) and list(w_spec) == q + c)
+  if not g and list(w_spec) in (c + q, q + c):
+    return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c),
+                   transposed=bool(c and q) and list(w_spec) == q + c)
+  size = dict(zip(w_spec, var_input.shape.as_list()))
+  order = c + g + q
+  return _Einsum([x_spec.index(a) for a in p + g + c], [out.index(a) for a in p + g + q], len(c),
+                 layout=tuple(tuple(size[a] for a in part) for part in (c, g, q)),
+                 w_perm=tuple(order.index(a) for a in w_spec))
 
 
 def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -470,6 +482,8 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   if op.type == "Einsum":
     use = _einsum_use(op, w)
     x, grad, c = tf.transpose(x, use.x_perm), tf.transpose(grad, use.out_perm), use.contracted
+    if use.layout is not None:
+      return _grouped_einsum_factor(use, x, grad, m, var)
     transposed = use.transposed
     if transposed:  # w = Q + C: its first rank − |C| axes are the free ones.
       c = w.shape.rank - c
@@ -483,6 +497,20 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   a = _rows(x, m, fan_in, var.dtype)
   d = _rows(grad, m, fan_out, var.dtype)
   return F.Outer(d, a, tuple(var.shape)) if transposed else F.Outer(a, d, tuple(var.shape))
+
+
+def _grouped_einsum_factor(use: _Einsum, x: tf.Tensor, grad: tf.Tensor, m: tf.Tensor,
+                           var: tf.Variable) -> F.Factor:
+  """An Einsum of any kernel layout (`_Einsum.layout`): g[C, G, Q] = Σ_P x[P, G, C] dz[P, G, Q],
+  an `Outer` (no G) or a `GroupedOuter` (one per G entry) permuted to w's layout."""
+  c, g, q = (math.prod(sizes) for sizes in use.layout)
+  shape = tuple(n for sizes in use.layout for n in sizes)
+  if use.layout[1]:
+    inner = F.GroupedOuter(tf.reshape(tf.cast(x, var.dtype), [m, -1, g, c]),
+                           tf.reshape(tf.cast(grad, var.dtype), [m, -1, g, q]), shape)
+  else:
+    inner = F.Outer(_rows(x, m, c, var.dtype), _rows(grad, m, q, var.dtype), shape)
+  return F.Permuted(inner, use.w_perm, tuple(var.shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,6 +541,10 @@ class _LowRank:
   left: bool
   scale: float
   width: int  # O.
+  # K read transposed (Keras 3's EinsumDense on a (N, D, H) kernel): the perm, which keeps its last
+  # axis, and K's shape before it; the factors then hold A's rows in the transposed layout.
+  perm: Optional[tuple[int, ...]] = None
+  k_shape: Optional[tuple[int, ...]] = None
 
 
 def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[int]:
@@ -521,6 +553,8 @@ def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[in
   sizes = k.shape.as_list()
   if kind == "einsum":
     use = _einsum_use(inner, k)  # K = Q + C when transposed: its trailing sizes are C.
+    if use.layout is not None:
+      return None
     contracted = len(sizes) - use.contracted if use.transposed else use.contracted
     return math.prod(sizes[contracted:]) if contracted < len(sizes) else None
   return sizes[-1] if kind != "gather_v2" or len(sizes) == 2 else None
@@ -536,7 +570,7 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
       or op.get_attr("transpose_b") or not _is_weight(op.inputs[1 - k[0]])
       or not op.outputs[0].shape.is_fully_defined()):
     return None
-  t, scale, steps = op.outputs[0], 1.0, set()
+  t, scale, steps, perm, k_shape = op.outputs[0], 1.0, set(), None, None
   while True:
     use = trace.only_use(t, forward)
     if use is None:
@@ -553,6 +587,10 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
     elif (use.type in ("AddV2", "Add") and "Add" not in steps and len(others) == 1
           and _is_weight(others[0]) and others[0].shape == t.shape):
       t = use.outputs[0]
+    elif (use.type == "Transpose" and "Tra" not in steps and use.inputs[0] is t
+          and isinstance(value, list) and value[-1] == len(value) - 1
+          and t.shape.is_fully_defined()):
+      perm, k_shape, t = tuple(value), tuple(t.shape.as_list()), use.outputs[0]
     else:
       break
     steps.add(use.type[:3])
@@ -561,11 +599,11 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
   if kind is None and _rows_gathered(use, t):
     kind = "gather_v2"
   width = None if kind is None or not t.shape.is_fully_defined() else _trailing_width(kind, use, t)
-  if (width is None or width % op.outputs[0].shape[-1]
+  if (width is None or width % op.outputs[0].shape[-1] or (perm and kind == "gather_v2")
       or (kind == "gather_v2" and k[0] == 0 and not _whole_read(var_input))):  # Rows of A.
     return None
   return _LowRank(use.outputs[0], kind, use, t, op.inputs[1 - k[0]], k[0] == 0, scale,
-                  op.outputs[0].shape[-1])
+                  op.outputs[0].shape[-1], perm, k_shape)
 
 
 def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
@@ -585,8 +623,14 @@ def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
                         [m, -1, q * r])
     if gathered:
       return F.Gather(inner.ids, pulled, tuple(var.shape))
-    return F.Outer(inner.a, pulled, tuple(var.shape))
+    if use.perm is None:
+      return F.Outer(inner.a, pulled, tuple(var.shape))
+    shape = (*use.k_shape[:-1], r)  # A's rows, in K's layout, then transposed as K is.
+    outer = F.Outer(inner.a, pulled, tuple(shape[p] for p in use.perm))
+    return F.Permuted(outer, tuple(use.perm.index(i) for i in range(len(shape))), tuple(var.shape))
   r = other.shape[-1]
+  if use.perm is not None:
+    other = tf.transpose(tf.reshape(other, [*use.k_shape[:-1], r]), use.perm)
   a = tf.reshape(other, [-1, q * r])
   rows = tf.gather(a, inner.ids) if gathered else tf.matmul(inner.a, a)
   return F.Outer(tf.reshape(rows, [m, -1, r]), tf.reshape(v, [m, -1, o]), tuple(var.shape))
