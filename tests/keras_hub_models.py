@@ -99,8 +99,9 @@ MODELS: dict[str, Callable] = {
         vocab_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=HIDDEN, embedding_dim=8,
         intermediate_dim=32, dropout=0.0, max_sequence_length=T), _tokens(True), "pooled_output"),
     "deberta_v3": _classifier(M.DebertaV3Backbone, segments=False, bucket_size=4, **ENCODER),
-    "f_net": _classifier(M.FNetBackbone, padding=False, vocabulary_size=VOCAB, num_layers=2, hidden_dim=HIDDEN,
-                         intermediate_dim=32, dropout=0.0, max_sequence_length=T),
+    "f_net": _classifier(M.FNetBackbone, padding=False, vocabulary_size=VOCAB, num_layers=2,
+                         hidden_dim=HIDDEN, intermediate_dim=32, dropout=0.0,
+                         max_sequence_length=T),
     "vit": _image_classifier(M.ViTBackbone, mlp_dim=32, **VISION),
     "deit": _image_classifier(M.DeiTBackbone, intermediate_dim=32, **VISION),
     "dinov2": lambda: _pooled(M.DINOV2Backbone(
