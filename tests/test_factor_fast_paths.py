@@ -231,8 +231,8 @@ def test_gather_norms_and_sum_in_one_xla_call_or_tf_ops(ids, mode):
 
 
 def test_batch_axis_through_new_axes_and_computed_tile_multiples():
-  """The batch-axis analysis follows slices that add axes (`x[:, None]`, Keras 2's attention mask)
-  and Tiles whose multiple on the batch axis is 1 while another is computed (`keras.ops.repeat`);
+  """The batch-axis analysis follows slices that add axes (`x[:, None]`, Keras 2's attention mask;
+  `x[..., None]`, an ellipsis expanded to whole axes: Gemma's attention) and Tiles whose multiple on the batch axis is 1 while another is computed (`keras.ops.repeat`);
   a slice or tile that cuts or repeats the examples stays unknown."""
   from tfdp_variants.per_example import trace
 
@@ -246,7 +246,7 @@ def test_batch_axis_through_new_axes_and_computed_tile_multiples():
     return x
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([4, 3, 2]), tf.TensorSpec([], tf.int32))
-  assert results == [[0, 1, 1, 0, 2, 0, None, None, None, None, 0, None]]
+  assert results == [[0, 1, 1, 0, 2, 0, None, None, None, 0, 0, None]]
 
 
 def test_time_major_rows_are_regrouped_only_when_every_input_is_time_major():

@@ -10,6 +10,7 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 * `Columns` (grouped conv, a split variable): g_m = [g_m¹ … g_mᴳ], one factor per block of an
   axis.
 * `GroupedOuter` (depthwise conv, grouped Conv3D): G `Outer`s batched along a group axis.
+* `Permuted` (a transposed read): another factor's g_m, its axes permuted.
 * `Dense`  (exact fallback): the materialized tensor G[m].
 
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
@@ -798,7 +799,55 @@ class Dense:
     del f, chunk_size
 
 
-Factor = Outer | RowSum | Gather | Columns | GroupedOuter | Dense
+@dataclasses.dataclass
+class Permuted:
+  """g_m = transpose(reshape(h_m, inner.shape), perm): a variable its op reads transposed
+  (Keras 3's EinsumDense transposes a (N, D, H) kernel to (D, N, H) and reshapes it to (D, N·H)
+  before its product), `inner` the factor of the transposed read. Norms and Gram matrices are those
+  of `inner` (a permutation moves no entry's value)."""
+
+  inner: "Factor"
+  perm: tuple[int, ...]  # g_m = transpose(h_m, perm).
+  shape: tuple[int, ...]
+
+  @property
+  def rule(self) -> str:
+    return self.inner.rule
+
+  def _back(self, h: tf.Tensor, leading: int) -> tf.Tensor:
+    """`h` (`leading` axes, then the inner factor's entries) in the variable's layout."""
+    h = tf.reshape(h, [-1] * leading + list(self.inner.shape))
+    return tf.transpose(h, list(range(leading)) + [leading + p for p in self.perm])
+
+  def squared_norms(self, exact: bool = True) -> tf.Tensor:
+    return self.inner.squared_norms(exact)
+
+  def masked(self, keep: tf.Tensor) -> "Permuted":
+    return dataclasses.replace(self, inner=self.inner.masked(keep))
+
+  def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
+    return self._back(self.inner.weighted_sum(w), 0)
+
+  def gram(self) -> tf.Tensor:
+    return self.inner.gram()
+
+  def dots(self, x: tf.Tensor) -> tf.Tensor:
+    inverse = [self.perm.index(i) for i in range(len(self.perm))]
+    return self.inner.dots(tf.transpose(tf.reshape(x, self.shape), inverse))
+
+  def materialize(self, start, stop) -> tf.Tensor:
+    return self._back(self.inner.materialize(start, stop), 1)
+
+  def elementwise_sum(self, f: OddFunction, chunk_size: int,
+                      w: Optional[tf.Tensor] = None) -> Optional[tf.Tensor]:
+    sums = self.inner.elementwise_sum(f, chunk_size, w)
+    return None if sums is None else self._back(sums, 0)
+
+  def elementwise_norms(self, f: OddFunction, chunk_size: int) -> Optional[tf.Tensor]:
+    return self.inner.elementwise_norms(f, chunk_size)
+
+
+Factor = Outer | RowSum | Gather | Columns | GroupedOuter | Dense | Permuted
 
 
 def concat(factors: list[Factor], shape: tuple[int, ...]) -> Factor:

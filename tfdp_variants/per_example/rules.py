@@ -20,9 +20,11 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import conv_rules
+from tfdp_variants.per_example import expand_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import loop_rules
 from tfdp_variants.per_example import trace
@@ -395,20 +397,12 @@ def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   or ±dz (sums), summed over the example's rows like a bias."""
   k = next(i for i, t in enumerate(op.inputs) if _broadcast_use(op, t) is not None)
   x, sign = _broadcast_use(op, op.inputs[k])
-  w = op.inputs[k]
-  rank = op.outputs[0].shape.rank
-  dims = [1] * (rank - w.shape.rank) + w.shape.as_list()
   d = tf.cast(grad, var.dtype)
   if op.type == "Mul":
     d = d * tf.cast(x, var.dtype)
   elif sign < 0:
     d = -d
-  b = trace.batch_axis(x)
-  reduced = [i for i in range(rank) if i != b and dims[i] == 1]
-  if reduced:
-    d = tf.reduce_sum(d, axis=reduced)
-  d = _examples_first(d, sum(1 for i in range(b) if i not in reduced))
-  return F.row_sum(_rows(d, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
+  return expand_rules.summed_rows(d, op.inputs[k].shape.as_list(), trace.batch_axis(x), m, var)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +421,11 @@ class _Einsum:
   out_perm: list
   contracted: int
   transposed: bool = False
+  # Any other kernel layout (mixture-of-experts banks, "th,ehm->etm" and "eti,eih->eth"): w's
+  # axes as (C, G, Q) sizes, G the labels of x, w and the output alike (one product per expert),
+  # and the perm from that layout to w's; x is transposed to (P, G, C), the output to (P, G, Q).
+  layout: Optional[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = None
+  w_perm: Optional[tuple[int, ...]] = None
 
 
 def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
@@ -437,17 +436,24 @@ def _einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Einsum]:
   if labels is None:
     return None
   (x_spec, w_spec), out = labels
-  c = [a for a in w_spec if a in x_spec]
+  g = [a for a in w_spec if a in x_spec and a in out]
+  c = [a for a in w_spec if a in x_spec and a not in out]
   q = [a for a in w_spec if a not in x_spec]
   p = [a for a in x_spec if a not in w_spec]
   axis = trace.batch_axis(op.inputs[0])
   if (any(len(set(spec)) != len(spec) for spec in (x_spec, w_spec, out))
-      or list(w_spec) not in (c + q, q + c) or sorted(out) != sorted(p + q)
-      or len(w_spec) != var_input.shape.rank or axis is None or x_spec[axis] not in p):
+      or sorted(out) != sorted(p + g + q) or len(w_spec) != var_input.shape.rank
+      or axis is None or x_spec[axis] not in p):
     return None
   p = [x_spec[axis]] + [a for a in p if a != x_spec[axis]]  # The examples first.
-  return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c),
-                 transposed=bool(c and q) and list(w_spec) == q + c)
+  if not g and list(w_spec) in (c + q, q + c):
+    return _Einsum([x_spec.index(a) for a in p + c], [out.index(a) for a in p + q], len(c),
+                   transposed=bool(c and q) and list(w_spec) == q + c)
+  size = dict(zip(w_spec, var_input.shape.as_list()))
+  order = c + g + q
+  return _Einsum([x_spec.index(a) for a in p + g + c], [out.index(a) for a in p + g + q], len(c),
+                 layout=tuple(tuple(size[a] for a in part) for part in (c, g, q)),
+                 w_perm=tuple(order.index(a) for a in w_spec))
 
 
 def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
@@ -476,6 +482,8 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   if op.type == "Einsum":
     use = _einsum_use(op, w)
     x, grad, c = tf.transpose(x, use.x_perm), tf.transpose(grad, use.out_perm), use.contracted
+    if use.layout is not None:
+      return _grouped_einsum_factor(use, x, grad, m, var)
     transposed = use.transposed
     if transposed:  # w = Q + C: its first rank − |C| axes are the free ones.
       c = w.shape.rank - c
@@ -489,6 +497,20 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   a = _rows(x, m, fan_in, var.dtype)
   d = _rows(grad, m, fan_out, var.dtype)
   return F.Outer(d, a, tuple(var.shape)) if transposed else F.Outer(a, d, tuple(var.shape))
+
+
+def _grouped_einsum_factor(use: _Einsum, x: tf.Tensor, grad: tf.Tensor, m: tf.Tensor,
+                           var: tf.Variable) -> F.Factor:
+  """An Einsum of any kernel layout (`_Einsum.layout`): g[C, G, Q] = Σ_P x[P, G, C] dz[P, G, Q],
+  an `Outer` (no G) or a `GroupedOuter` (one per G entry) permuted to w's layout."""
+  c, g, q = (math.prod(sizes) for sizes in use.layout)
+  shape = tuple(n for sizes in use.layout for n in sizes)
+  if use.layout[1]:
+    inner = F.GroupedOuter(tf.reshape(tf.cast(x, var.dtype), [m, -1, g, c]),
+                           tf.reshape(tf.cast(grad, var.dtype), [m, -1, g, q]), shape)
+  else:
+    inner = F.Outer(_rows(x, m, c, var.dtype), _rows(grad, m, q, var.dtype), shape)
+  return F.Permuted(inner, use.w_perm, tuple(var.shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,6 +541,10 @@ class _LowRank:
   left: bool
   scale: float
   width: int  # O.
+  # K read transposed (Keras 3's EinsumDense on a (N, D, H) kernel): the perm, which keeps its last
+  # axis, and K's shape before it; the factors then hold A's rows in the transposed layout.
+  perm: Optional[tuple[int, ...]] = None
+  k_shape: Optional[tuple[int, ...]] = None
 
 
 def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[int]:
@@ -527,6 +553,8 @@ def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[in
   sizes = k.shape.as_list()
   if kind == "einsum":
     use = _einsum_use(inner, k)  # K = Q + C when transposed: its trailing sizes are C.
+    if use.layout is not None:
+      return None
     contracted = len(sizes) - use.contracted if use.transposed else use.contracted
     return math.prod(sizes[contracted:]) if contracted < len(sizes) else None
   return sizes[-1] if kind != "gather_v2" or len(sizes) == 2 else None
@@ -542,7 +570,7 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
       or op.get_attr("transpose_b") or not _is_weight(op.inputs[1 - k[0]])
       or not op.outputs[0].shape.is_fully_defined()):
     return None
-  t, scale, steps = op.outputs[0], 1.0, set()
+  t, scale, steps, perm, k_shape = op.outputs[0], 1.0, set(), None, None
   while True:
     use = trace.only_use(t, forward)
     if use is None:
@@ -559,6 +587,10 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
     elif (use.type in ("AddV2", "Add") and "Add" not in steps and len(others) == 1
           and _is_weight(others[0]) and others[0].shape == t.shape):
       t = use.outputs[0]
+    elif (use.type == "Transpose" and "Tra" not in steps and use.inputs[0] is t
+          and isinstance(value, list) and value[-1] == len(value) - 1
+          and t.shape.is_fully_defined()):
+      perm, k_shape, t = tuple(value), tuple(t.shape.as_list()), use.outputs[0]
     else:
       break
     steps.add(use.type[:3])
@@ -567,11 +599,11 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
   if kind is None and _rows_gathered(use, t):
     kind = "gather_v2"
   width = None if kind is None or not t.shape.is_fully_defined() else _trailing_width(kind, use, t)
-  if (width is None or width % op.outputs[0].shape[-1]
+  if (width is None or width % op.outputs[0].shape[-1] or (perm and kind == "gather_v2")
       or (kind == "gather_v2" and k[0] == 0 and not _whole_read(var_input))):  # Rows of A.
     return None
   return _LowRank(use.outputs[0], kind, use, t, op.inputs[1 - k[0]], k[0] == 0, scale,
-                  op.outputs[0].shape[-1])
+                  op.outputs[0].shape[-1], perm, k_shape)
 
 
 def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
@@ -591,8 +623,14 @@ def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
                         [m, -1, q * r])
     if gathered:
       return F.Gather(inner.ids, pulled, tuple(var.shape))
-    return F.Outer(inner.a, pulled, tuple(var.shape))
+    if use.perm is None:
+      return F.Outer(inner.a, pulled, tuple(var.shape))
+    shape = (*use.k_shape[:-1], r)  # A's rows, in K's layout, then transposed as K is.
+    outer = F.Outer(inner.a, pulled, tuple(shape[p] for p in use.perm))
+    return F.Permuted(outer, tuple(use.perm.index(i) for i in range(len(shape))), tuple(var.shape))
   r = other.shape[-1]
+  if use.perm is not None:
+    other = tf.transpose(tf.reshape(other, [*use.k_shape[:-1], r]), use.perm)
   a = tf.reshape(other, [-1, q * r])
   rows = tf.gather(a, inner.ids) if gathered else tf.matmul(inner.a, a)
   return F.Outer(tf.reshape(rows, [m, -1, r]), tf.reshape(v, [m, -1, o]), tuple(var.shape))
@@ -634,6 +672,8 @@ RULES: dict[str, Rule] = {
     # A looped RNN's recurrent kernel (`recurrence.py` writes the loops it proves).
     "loop_matmul": Rule(loop_rules.loop_matmul_use, loop_rules.loop_matmul_factor, proves=True),
     "loop_conv": Rule(loop_rules.loop_conv_use, loop_rules.loop_conv_factor, proves=True),
+    # A weight broadcast or tiled to the batch (a position table, a class token).
+    "expand": Rule(expand_rules.expand_use, expand_rules.expand_factor, proves=True),
     # A factor of a low-rank weight W + s·A·B (LoRA), through the rule of the weight's use.
     "low_rank": Rule(_low_rank_use, _low_rank_factor, proves=True),
 }
@@ -662,6 +702,11 @@ def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Fac
   rule = RULES[use.kind]
   if use.slot is not None:  # The use reads one block of the variable: a variable of its own.
     var = tf.TensorSpec(use.slot.block(var.shape), var.dtype)
+  if use.perm is not None:  # The use reads transpose(W, perm): its factor, permuted back.
+    shape = tuple(var.shape)
+    inner = factor(dataclasses.replace(use, sign=1, perm=None), grad, m,
+                   tf.TensorSpec([shape[p] for p in use.perm], var.dtype))
+    return F.Permuted(inner, tuple(use.perm.index(i) for i in range(len(shape))), shape)
   if not use.transposed:
     return rule.factor(use.proof if rule.proves else use.op, grad, m, var)
   # The op reads Wᵀ: Wᵀ's factor Σ_t a_tᵀ d_t, transposed back, is W's with a and d swapped.
@@ -768,7 +813,68 @@ def _static_ints(t: tf.Tensor) -> Optional[list[int]]:
 
 
 # Split ops -> the index of the input they split (the others give its axis, sizes or bounds).
-_SPLIT_VALUE = {"Unpack": 0, "Split": 1, "SplitV": 0, "StridedSlice": 0}
+_SPLIT_VALUE = {"Unpack": 0, "Split": 1, "SplitV": 0, "StridedSlice": 0, "Slice": 0,
+                "GatherV2": 0}
+
+
+# Ops `_fixed_value` evaluates on fixed inputs (Keras' `take` maps negative ids with a select).
+_FIXED_OPS: dict[str, Callable] = {
+    "Identity": lambda x: x, "Less": np.less, "LessEqual": np.less_equal,
+    "Greater": np.greater, "GreaterEqual": np.greater_equal, "AddV2": np.add, "Add": np.add,
+    "Sub": np.subtract,
+    "ExpandDims": lambda x, axis: np.expand_dims(x, int(axis)),
+    "Reshape": lambda x, shape: np.reshape(x, shape)}
+
+
+def _fixed_value(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
+  """`t`'s value if the graph fixes it: a constant, an eager tensor the graph captured (ViT's
+  position ids, built once by the layer; immutable), or a few ops of such values; else None."""
+  value = tf.get_static_value(t)
+  if value is not None or depth > 8:
+    return value
+  op = t.op
+  if op.type == "Placeholder":
+    outer = next((e for e, i in getattr(t.graph, "captures", ()) if i is t), None)
+    if outer is None or outer.dtype == tf.resource:
+      return None
+    return outer.numpy() if not hasattr(outer, "graph") else _fixed_value(outer, depth + 1)
+  if op.type == "Cast":
+    value = _fixed_value(op.inputs[0], depth + 1)
+    return None if value is None else value.astype(t.dtype.as_numpy_dtype)
+  if op.type in ("Select", "SelectV2") and t.shape.is_fully_defined():  # One branch taken.
+    cond = _fixed_value(op.inputs[0], depth + 1)
+    branch = None if cond is None or cond.any() != cond.all() else op.inputs[2 - int(cond.all())]
+    value = None if branch is None else _fixed_value(branch, depth + 1)
+    return None if value is None else np.broadcast_to(value, t.shape.as_list())
+  if op.type not in _FIXED_OPS:
+    return None
+  values = [_fixed_value(x, depth + 1) for x in op.inputs]
+  return None if any(v is None for v in values) else np.asarray(_FIXED_OPS[op.type](*values))
+
+
+def _contiguous(op: tf.Operation, shape: tf.TensorShape) -> Optional[Slot]:
+  """The block a Slice of constant bounds (a learned position table cut to the sequence's length)
+  or a GatherV2 of constant ids that run through consecutive rows (ViT's position ids, `arange`)
+  reads of a variable of `shape`; None for any other."""
+  if op.type == "Slice":
+    begin, size = _static_ints(op.inputs[1]), _static_ints(op.inputs[2])
+    if begin is None or size is None:
+      return None
+    size = [n - b if k == -1 else k for b, k, n in zip(begin, size, shape.as_list())]
+    cut = [i for i, (b, k, n) in enumerate(zip(begin, size, shape.as_list())) if (b, k) != (0, n)]
+    if len(cut) > 1 or any(b < 0 or k < 1 or b + k > n
+                           for b, k, n in zip(begin, size, shape.as_list())):
+      return None
+    axis = cut[0] if cut else 0
+    return Slot(axis, begin[axis], size[axis])
+  ids = _fixed_value(op.inputs[1])
+  if (ids is None or ids.size == 0 or _static_ints(op.inputs[2]) != [0]
+      or op.get_attr("batch_dims") != 0):
+    return None
+  ids = ids.reshape(-1).tolist()
+  if ids != list(range(ids[0], ids[0] + len(ids))) or ids[0] < 0 or ids[-1] >= shape[0]:
+    return None
+  return Slot(0, ids[0], len(ids))
 
 
 def _slices(op: tf.Operation, tensor: tf.Tensor,
@@ -780,6 +886,9 @@ def _slices(op: tf.Operation, tensor: tf.Tensor,
       or [i for i, t in enumerate(op.inputs) if trace.same(t, tensor)] != [_SPLIT_VALUE[op.type]]):
     return None
   rank = shape.rank
+  if op.type in ("Slice", "GatherV2"):
+    block = _contiguous(op, shape)
+    return None if block is None else [(op.outputs[0], block)]
   if op.type == "Unpack":
     axis = op.get_attr("axis") % rank
     return [(t, Slot(axis, i, 1)) for i, t in enumerate(op.outputs)]
@@ -821,7 +930,7 @@ def _slices(op: tf.Operation, tensor: tf.Tensor,
 
 # Rules whose factor reads the variable's shape only as its number of elements: they take a block
 # of it through any reshape. Every other rule takes a block only as the op reads it.
-_ANY_SHAPE = frozenset({"bias_add", "broadcast"})
+_ANY_SHAPE = frozenset({"bias_add", "broadcast", "expand"})
 # Rules whose factor is a plain `Outer` of the op's rows, which a 2-D variable's transpose
 # (x·Wᵀ: a Transpose of its read, Keras 3's EinsumDense "abc,dc->abd") may take, swapped.
 _TRANSPOSABLE = frozenset({"matmul", "batch_matmul", "einsum"})
@@ -844,6 +953,7 @@ class Use:
   proof: Optional[object] = None  # A proving rule's proof (`Rule.proves`).
   slot: Optional[Slot] = None  # The block of the variable the op reads, if not all of it.
   transposed: bool = False  # The op reads the 2-D variable's transpose (`_TRANSPOSABLE`).
+  perm: Optional[tuple[int, ...]] = None  # The op reads transpose(W, perm), W of rank 3 or more.
 
   @property
   def output(self) -> tf.Tensor:
@@ -856,25 +966,54 @@ def _swaps(op: tf.Operation, tensor: tf.Tensor) -> bool:
           and trace.constant_value(op.inputs[1]) == [1, 0])
 
 
+def _permutation(op: tf.Operation, tensor: tf.Tensor) -> Optional[tuple[int, ...]]:
+  """The constant perm of a Transpose of `tensor` of rank 3 or more (rank 2: `_swaps`)."""
+  perm = trace.constant_value(op.inputs[1]) if op.type == "Transpose" else None
+  if (perm is None or not trace.same(op.inputs[0], tensor) or tensor.shape.rank is None
+      or tensor.shape.rank < 3):
+    return None
+  return tuple(perm)
+
+
+def _shift_sign(op: tf.Operation, tensor: tf.Tensor) -> Optional[int]:
+  """For c + w, w + c, w - c or c - w (w = `tensor`, c a constant that does not widen it: Gemma's
+  normalization scales by 1 + w): the derivative's sign, else None."""
+  if op.type not in ("AddV2", "Add", "Sub") or len(op.inputs) != 2:
+    return None
+  k = [i for i, t in enumerate(op.inputs) if trace.same(t, tensor)]
+  if (len(k) != 1 or op.outputs[0].shape != tensor.shape or not tensor.shape.is_fully_defined()
+      or tf.get_static_value(op.inputs[1 - k[0]]) is None):
+    return None
+  return -1 if op.type == "Sub" and k[0] == 1 else 1
+
+
 def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShape, sign: int = 1,
-             slot: Optional[Slot] = None, transposed: bool = False) -> Optional[list[Use]]:
+             slot: Optional[Slot] = None, transposed: bool = False,
+             perm: Optional[tuple[int, ...]] = None) -> Optional[list[Use]]:
   """Rule-bearing uses of a read of a variable of `shape` (negated if `sign` is -1; its block
-  `slot` if not None; its transpose, read by products alone, if `transposed`), or None if any use
-  has no rule."""
+  `slot` if not None; its transpose, read by products alone, if `transposed`; transposed by
+  `perm` if not None, `shape` then the permuted one), or None if any use has no rule."""
   uses = []
   for op in tensor.consumers():
     if op not in forward:
       continue
-    blocks = None if slot is not None or transposed else _slices(op, tensor, shape)
+    blocks = (None if slot is not None or transposed or perm is not None
+              else _slices(op, tensor, shape))
+    permuted = None if slot is not None or transposed or perm is not None else _permutation(
+        op, tensor)
+    shift = _shift_sign(op, tensor)
     if transposed and op.type not in ("Identity", "Cast", "Neg"):  # Only products of Wᵀ.
       use = match(op, tensor, forward, sign)
       sub = ([dataclasses.replace(use, transposed=True)]
              if use is not None and use.kind in _TRANSPOSABLE else None)
-    elif slot is None and not transposed and _swaps(op, tensor):
+    elif slot is None and not transposed and perm is None and _swaps(op, tensor):
       sub = _uses_of(op.outputs[0], forward, shape, sign, transposed=True)
-    elif op.type in _PASS_THROUGH or op.type == "Neg":
-      sub = _uses_of(op.outputs[0], forward, shape, -sign if op.type == "Neg" else sign, slot,
-                     transposed)
+    elif permuted is not None:
+      sub = _uses_of(op.outputs[0], forward, tf.TensorShape([shape[i] for i in permuted]), sign,
+                     perm=permuted)
+    elif op.type in _PASS_THROUGH or op.type == "Neg" or shift is not None:
+      flip = -1 if op.type == "Neg" else (shift or 1)
+      sub = _uses_of(op.outputs[0], forward, shape, flip * sign, slot, transposed, perm)
     elif blocks is not None:
       sub = []
       for out, block in blocks:
@@ -887,6 +1026,8 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShap
       if use is not None and slot is not None:
         use = (None if use.kind not in _ANY_SHAPE and tensor.shape != slot.block(shape) else
                dataclasses.replace(use, slot=slot))
+      if use is not None and perm is not None:
+        use = dataclasses.replace(use, perm=perm)
       sub = None if use is None else [use]
     if sub is None:
       return None

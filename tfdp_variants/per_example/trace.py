@@ -459,6 +459,37 @@ def _strided_slice(op: tf.Operation, ins: list[Info], window: bool = False) -> I
   return Batch(o + b - a)
 
 
+def _ellipsis_slice(op: tf.Operation, ins: list[Info]) -> Info:
+  """StridedSlice, an ellipsis (`x[..., None]`, Gemma's attention) expanded to the whole axes it
+  stands for, then walked as `_strided_slice` walks its entries."""
+  if not op.get_attr("ellipsis_mask"):
+    return _strided_slice(op, ins)
+  strides, rank = constant_value(op.inputs[3]), _rank(op.inputs[0])
+  bits = {name: op.get_attr(f"{name}_mask") for name in ("begin", "end", "shrink_axis",
+                                                         "new_axis", "ellipsis")}
+  if strides is None or rank is None or bin(bits["ellipsis"]).count("1") != 1:
+    return None
+  bit = lambda name, i: bits[name] >> i & 1
+  spans = rank - sum(1 for i in range(len(strides)) if not (bit("new_axis", i)
+                                                            or bit("ellipsis", i)))
+  entries = []  # (whole, shrunk, new) of each entry, the ellipsis as `spans` whole axes.
+  for i, stride in enumerate(strides):
+    if bit("ellipsis", i):
+      entries += [(True, False, False)] * spans
+    else:
+      entries.append((bit("begin", i) and bit("end", i) and stride == 1, bit("shrink_axis", i),
+                      bit("new_axis", i)))
+  b, a, o = ins[0].axis, 0, 0
+  for whole, shrunk, new in entries:
+    if new:
+      o += 1
+    elif a == b:
+      return Batch(o) if whole and not shrunk else None
+    else:
+      a, o = a + 1, o + (0 if shrunk else 1)
+  return Batch(o + b - a)
+
+
 def _slice(op: tf.Operation, ins: list[Info]) -> Info:
   """Whole along the batch axis; the other axes' begins and sizes may be computed (a random crop)."""
   begin = tf.get_static_value(op.inputs[1], partial=True)
@@ -510,11 +541,13 @@ def _gather(op: tf.Operation, ins: list[Info]) -> Info:
 
 
 def _per_example_gather(op: tf.Operation, ins: list[Info]) -> bool:
-  """A gather with batch_dims whose params and ids hold the examples on one of those axes."""
+  """A gather with batch_dims whose params hold the examples on one of those axes, and whose ids
+  hold them on the same axis or depend on no example (Keras' `take_along_axis`: each example's
+  row of params gathers by its own row of ids)."""
   dims, params, ids = op.get_attr("batch_dims"), ins[0], ins[1]
   dims = _norm(dims, _rank(op.inputs[1])) if dims < 0 else dims
-  return bool(dims) and _batched(params) and _batched(ids) and params.axis == ids.axis and (
-      not params.block and not ids.block and params.axis < dims)
+  return bool(dims) and _batched(params) and not params.block and params.axis < dims and (
+      ids.axis is None or (ids.axis == params.axis and not ids.block))
 
 
 def _position(t: tf.Tensor, info: Info, memo: dict) -> bool:
@@ -567,6 +600,21 @@ def _window(op: tf.Operation, ins: list[Info], memo: dict) -> Optional[Batch]:
     return None  # A fixed slice of weights or constants, not of data.
   key = (op.type, masks, tuple(_structure(t, source, {}) for t in op.inputs[1:]))
   return Batch(0, (*WINDOW, key))
+
+
+# Ops that transform their input's last n axes together (FFTs): n.
+_LAST_AXES = {"FFT": 1, "IFFT": 1, "RFFT": 1, "IRFFT": 1, "FFT2D": 2, "IFFT2D": 2,
+              "RFFT2D": 2, "IRFFT2D": 2, "FFT3D": 3, "IFFT3D": 3, "RFFT3D": 3, "IRFFT3D": 3}
+
+
+def _last_axes(op: tf.Operation, ins: list[Info]) -> Info:
+  """`_LAST_AXES`: the batch axis kept when it is not among them, the other inputs (lengths)
+  depending on no example."""
+  rank = _rank(op.inputs[0])
+  if rank is None or any(i.axis is not None for i in ins[1:]) or ins[0].axis >= rank - _LAST_AXES[
+      op.type]:
+    return None
+  return ins[0]
 
 
 def _structure(t: tf.Tensor, source: tf.Tensor, memo: dict) -> tuple:
@@ -871,6 +919,13 @@ def _mix_segments(op: tf.Operation, ins: list[Info]) -> Optional[str]:
           else None)
 
 
+def _mix_last_axes(op: tf.Operation, ins: list[Info]) -> Optional[str]:
+  """`_LAST_AXES` ops over the batch axis (an FFT across examples)."""
+  x, rank = ins[0], _rank(op.inputs[0])
+  return ("transforms the batch axis with others (a Fourier transform across examples)" if _batched(x) and rank is not None and x.axis >= rank - _LAST_AXES[op.type]
+          and _several(op.inputs[0], x.axis) else None)
+
+
 def _mix_batch_norm(op: tf.Operation, ins: list[Info]) -> Optional[str]:
   x = ins[0]
   if not _batched(x) or not op.get_attr("is_training"):
@@ -931,7 +986,7 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
     "FusedBatchNormV3": _fused_batch_norm,
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack, "ConcatV2": _concat,
-    "Split": _split, "SplitV": _split, "StridedSlice": _strided_slice, "Slice": _slice,
+    "Split": _split, "SplitV": _split, "StridedSlice": _ellipsis_slice, "Slice": _slice,
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "Tile": _tile, "ReverseV2": _reverse,
     "GatherV2": _gather, "ResourceGather": _gather, "OneHot": _one_hot,
     "SpaceToBatchND": _space_to_batch, "BatchToSpaceND": _batch_to_space,
@@ -940,7 +995,10 @@ _AXIS_RULES: dict[str, Callable[[tf.Operation, list[Batch]], Info]] = {
     "Cumsum": _cumulative, "Cumprod": _cumulative, "CumulativeLogsumexp": _cumulative,
     "Roll": _roll, "TopKV2": _top_k, "ImageProjectiveTransformV2": _image_transform,
     "ImageProjectiveTransformV3": _image_transform,
+    **{t: _last_axes for t in _LAST_AXES}, "Complex": _broadcast, "Real": _first,
+    "Imag": _first, "ComplexAbs": _first,
 }
+_MIXING.update({t: _mix_last_axes for t in _LAST_AXES})
 _MIXING.update({t: _mix_broadcast for t in _ELEMENTWISE})
 _MIXING.update({t: _mix_segments for t in _SEGMENT_REDUCTIONS})
 _AXIS_RULES.update({t: _segments for t in _SEGMENT_REDUCTIONS})

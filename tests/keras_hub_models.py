@@ -1,0 +1,111 @@
+"""Small KerasHub models for the zoo test (imported as a module: pytest puts tests/ on sys.path).
+
+Every model is built from a small config with random weights (nothing is downloaded): 2 layers,
+hidden 16, sequence 8, vocabulary 64, no dropout (the engine and the single-example references
+must draw the same masks: none). `MODELS` maps a name to a builder of (model, inputs).
+"""
+
+from typing import Callable
+
+import numpy as np
+
+import keras_hub
+
+B, T, VOCAB, HIDDEN = 3, 8, 64, 16
+IMAGE = (16, 16, 3)
+M = keras_hub.models
+
+
+def _tokens(segments: bool = False, padding: bool = True) -> dict:
+  """Token ids with a padded tail on two of the examples (padding masks matter, for the models
+  that take them), and segment ids for the encoders that take them."""
+  rng = np.random.default_rng(0)
+  lengths = np.array([T, T - 3, T - 1])[:B]
+  mask = np.arange(T)[None] < lengths[:, None]
+  data = {"token_ids": np.where(mask, rng.integers(1, VOCAB, (B, T)), 0).astype("int32")}
+  if padding:
+    data["padding_mask"] = mask.astype("int32")
+  if segments:
+    data["segment_ids"] = (np.arange(T)[None] >= T // 2).repeat(B, 0).astype("int32")
+  return data
+
+
+def _images() -> np.ndarray:
+  return np.random.default_rng(1).normal(size=(B, *IMAGE)).astype("float32")
+
+
+def _causal(backbone_cls, task_cls=None, **config) -> Callable:
+  task_cls = task_cls or getattr(M, backbone_cls.__name__.replace("Backbone", "CausalLM"))
+  return lambda: (task_cls(backbone=backbone_cls(**config), preprocessor=None), _tokens())
+
+
+def _classifier(backbone_cls, segments: bool = True, padding: bool = True, **config) -> Callable:
+  task_cls = getattr(M, backbone_cls.__name__.replace("Backbone", "TextClassifier"))
+  return lambda: (task_cls(backbone=backbone_cls(**config), num_classes=3, preprocessor=None,
+                           dropout=0.0), _tokens(segments, padding))
+
+
+def _image_classifier(backbone_cls, **config) -> Callable:
+  task_cls = getattr(M, backbone_cls.__name__.replace("Backbone", "ImageClassifier"))
+  return lambda: (task_cls(backbone=backbone_cls(**config), num_classes=3, preprocessor=None),
+                  _images())
+
+
+def _pooled(backbone, inputs, pool: str):
+  """A backbone without a task in KerasHub, under a Dense head of 3 classes on its pooled or
+  first-token output."""
+  import keras  # pylint: disable=import-outside-toplevel
+  out = backbone(backbone.input)
+  out = out[pool] if isinstance(out, dict) else out[:, 0]
+  return keras.Model(backbone.input, keras.layers.Dense(3)(out)), inputs
+
+
+DECODER = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=HIDDEN, intermediate_dim=32)
+ENCODER = dict(DECODER, num_heads=2, dropout=0.0, max_sequence_length=T)
+LLAMA = dict(DECODER, num_query_heads=2, num_key_value_heads=1)
+VISION = dict(image_shape=IMAGE, patch_size=4, num_layers=2, num_heads=2, hidden_dim=HIDDEN)
+
+MODELS: dict[str, Callable] = {
+    "gpt2": _causal(M.GPT2Backbone, num_heads=2, dropout=0.0, max_sequence_length=T, **DECODER),
+    "opt": _causal(M.OPTBackbone, num_heads=2, dropout=0.0, max_sequence_length=T, **DECODER),
+    "bloom": _causal(M.BloomBackbone, num_heads=2, **DECODER),
+    "gpt_neox": _causal(M.GPTNeoXBackbone, num_heads=2, max_sequence_length=T, **DECODER),
+    "falcon": _causal(M.FalconBackbone, num_attention_heads=2, **DECODER),
+    "gemma": _causal(M.GemmaBackbone, num_query_heads=2, num_key_value_heads=1, head_dim=8,
+                     **DECODER),
+    "gemma3": _causal(M.Gemma3Backbone, image_size=16, num_query_heads=2, num_key_value_heads=1,
+                      head_dim=8, **DECODER),
+    "llama": _causal(M.LlamaBackbone, **LLAMA),
+    "llama3": _causal(M.Llama3Backbone, **LLAMA),
+    "mistral": _causal(M.MistralBackbone, **LLAMA),
+    "mixtral": _causal(M.MixtralBackbone, num_experts=4, top_k=2, router_aux_loss_coef=0.0,
+                       **LLAMA),
+    "qwen": _causal(M.QwenBackbone, **LLAMA),
+    "qwen3": _causal(M.Qwen3Backbone, head_dim=8, **LLAMA),
+    "qwen3_moe": _causal(M.Qwen3MoeBackbone, head_dim=8, moe_intermediate_dim=8, num_experts=4,
+                         top_k=2, router_aux_loss_coefficient=0.0, **LLAMA),
+    "phi3": _causal(M.Phi3Backbone, **LLAMA),
+    "smollm3": _causal(M.SmolLM3Backbone, num_attention_heads=2, num_key_value_heads=1,
+                       attention_bias=False, attention_dropout=0.0,
+                       rope_layer_enabled_list=[True, False], layer_types=["attention"] * 2,
+                       mlp_bias=False, layer_norm_epsilon=1e-5, max_position_embeddings=T,
+                       rope_theta=10000.0, partial_rotary_factor=1.0, **DECODER),
+    "bert": _classifier(M.BertBackbone, **ENCODER),
+    "distil_bert": _classifier(M.DistilBertBackbone, segments=False, **ENCODER),
+    "roberta": _classifier(M.RobertaBackbone, segments=False, **ENCODER),
+    "xlm_roberta": _classifier(M.XLMRobertaBackbone, segments=False, **ENCODER),
+    "albert": _classifier(M.AlbertBackbone, embedding_dim=8, **ENCODER),
+    "electra": lambda: _pooled(M.ElectraBackbone(
+        vocab_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=HIDDEN, embedding_dim=8,
+        intermediate_dim=32, dropout=0.0, max_sequence_length=T), _tokens(True), "pooled_output"),
+    "deberta_v3": _classifier(M.DebertaV3Backbone, segments=False, bucket_size=4, **ENCODER),
+    "f_net": _classifier(M.FNetBackbone, padding=False, vocabulary_size=VOCAB, num_layers=2,
+                         hidden_dim=HIDDEN, intermediate_dim=32, dropout=0.0,
+                         max_sequence_length=T),
+    "vit": _image_classifier(M.ViTBackbone, mlp_dim=32, **VISION),
+    "deit": _image_classifier(M.DeiTBackbone, intermediate_dim=32, **VISION),
+    "dinov2": lambda: _pooled(M.DINOV2Backbone(
+        patch_size=4, num_layers=2, hidden_dim=HIDDEN, num_heads=2, intermediate_dim=32,
+        image_shape=IMAGE, position_embedding_shape=IMAGE, use_mask_token=False),
+        _images(), "cls"),
+}

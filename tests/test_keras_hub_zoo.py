@@ -1,0 +1,117 @@
+"""A zoo of KerasHub models in their tasks: per-example gradients against single-example tapes.
+
+Each model (`keras_hub_models.MODELS`, small configs with random weights, nothing downloaded) must
+take a per-example rule for every trainable variable, pinned below, and its per-example gradients
+must equal plain `tf.GradientTape` gradients of each example alone; with LoRA (`enable_lora`) too,
+where KerasHub offers it. Keras 3 only (KerasHub needs it); skipped without keras_hub.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+pytest.importorskip("keras_hub")
+
+import engine_helpers  # pylint: disable=wrong-import-position
+import keras_hub_models  # pylint: disable=wrong-import-position
+
+pytestmark = pytest.mark.keras3_only
+
+# name -> the number of variables taking each rule ("outer": products; "rowsum": biases, scales,
+# position tables and tokens; "gather": embedding tables; "gather+outer": a table tied to the
+# output logits); a model absent here has every variable on a rule but its count unpinned.
+RULES = {
+    "gpt2": {"gather+outer": 1, "rowsum": 23, "outer": 12},
+    "bert": {"gather": 2, "rowsum": 25, "outer": 14},
+    "gemma": {"gather+outer": 1, "rowsum": 5, "outer": 14},
+    "vit": {"rowsum": 26, "outer": 14},
+}
+# name -> variables still on the exact fallback (exact, slower): DeBERTaV3's relative position
+# embeddings (a table, its normalization, and the query and key kernels that also project it)
+# reach the attention scores through products with no example in them.
+FALLBACK = {"deberta_v3": 11}
+LORA = ["gpt2", "gemma", "llama", "bert", "vit", "mixtral"]
+
+
+def _example(x, i):
+  return ({k: v[i:i + 1] for k, v in x.items()} if isinstance(x, dict) else x[i:i + 1])
+
+
+def _single_example_gradients(model, x, y):
+  """(B, *var.shape) per variable: the gradient of each example's loss, one tape each."""
+  out = []
+  for i in range(keras_hub_models.B):
+    with tf.GradientTape() as tape:
+      loss = engine_helpers.mse(y[i:i + 1], model(_example(x, i), training=True))[0]
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    out.append([tf.convert_to_tensor(g).numpy() for g in grads])
+  return [np.stack(g) for g in zip(*out)]
+
+
+def _check(name, lora):
+  tf.keras.utils.set_random_seed(0)
+  model, x = keras_hub_models.MODELS[name]()
+  if lora:
+    model.backbone.enable_lora(2)
+  y = tf.random.stateless_normal(model(x).shape, seed=[1, 2])
+  ours, rules = engine_helpers.gradients_and_rules(model, x, y)
+  ref = _single_example_gradients(model, x, y)
+  # One scale for the model: an attention's key bias has a zero gradient in exact arithmetic
+  # (softmax is shift-invariant), so both sides of it are float32 rounding noise.
+  scale = max(np.abs(r).max() for r in ref)
+  for g, r, v in zip(ours, ref, model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5 * scale, err_msg=v.path)
+  counts = collections.Counter(rules)
+  assert counts.pop("fallback", 0) == (0 if lora else FALLBACK.get(name, 0)), rules
+  if name in RULES and not lora:
+    assert dict(counts) == RULES[name], dict(counts)
+  return rules
+
+
+@pytest.mark.parametrize("name", sorted(keras_hub_models.MODELS))
+def test_per_example_gradients_match_single_examples(name):
+  _check(name, lora=False)
+
+
+@pytest.mark.parametrize("name", LORA)
+def test_lora_factors_take_their_rules(name):
+  """`backbone.enable_lora(2)`: only the LoRA factors (and what stays trainable) train, each on a
+  rule (the low-rank pull-back of its layer's weight)."""
+  rules = _check(name, lora=True)
+  assert "fallback" not in rules
+
+
+def _fit_private(model, x, y):
+  import tfdp_variants  # pylint: disable=import-outside-toplevel
+  model.compile(optimizer=tfdp_variants.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0),
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                   reduction="none"))
+  model.fit(x, y, batch_size=keras_hub_models.B, epochs=1, verbose=0)
+
+
+def test_mixture_of_experts_load_balancing_loss_is_refused():
+  """Mixtral adds a load-balancing loss over the whole batch (`add_loss` in training): it mixes the
+  examples, so a private fit refuses it; its routing itself is per token, on rules (the zoo)."""
+  tf.keras.utils.set_random_seed(0)
+  model, x = keras_hub_models.MODELS["mixtral"]()
+  with pytest.raises(ValueError, match="computed from the batch"):
+    _fit_private(model, x, x["token_ids"])
+
+
+def test_batch_normalization_is_refused_naming_the_fix():
+  """KerasHub's ResNet normalizes with batch statistics in training: refused, the message naming
+  `batch_norm_to_group_norm`."""
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  tf.keras.utils.set_random_seed(0)
+  backbone = keras_hub.models.ResNetBackbone(
+      input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64],
+      stackwise_num_blocks=[1], stackwise_num_strides=[1], block_type="basic_block",
+      image_shape=keras_hub_models.IMAGE)
+  model = keras_hub.models.ResNetImageClassifier(backbone=backbone, num_classes=3,
+                                                 preprocessor=None)
+  x = keras_hub_models.MODELS["vit"]()[1]
+  with pytest.raises(ValueError, match="batch_norm_to_group_norm"):
+    _fit_private(model, x, np.arange(keras_hub_models.B) % 3)
