@@ -21,7 +21,7 @@ from tfdp_variants import local_cluster
 from tfdp_variants import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MNIST = ROOT.parent / "shared" / "data" / "mnist_10k.npz"
+MNIST = data.MNIST_10K  # Shipped with the package.
 
 
 def test_digits_is_embedded_and_split():
@@ -32,9 +32,8 @@ def test_digits_is_embedded_and_split():
   assert set(np.unique(y_train)) == set(range(10))
 
 
-@pytest.mark.skipif(not MNIST.exists(), reason="../shared/data/mnist_10k.npz not present")
-def test_npz_loads_mnist_subset():
-  (x_train, y_train), (x_test, y_test) = data.load(f"npz:{MNIST}")
+def test_shipped_mnist_subset_loads_by_name():
+  (x_train, y_train), (x_test, y_test) = data.load("mnist_10k")
   assert x_train.shape == (8000, 28, 28, 1) and x_test.shape == (2000, 28, 28, 1)
   assert x_train.max() == 1.0 and y_train.dtype == np.int32
 
@@ -57,6 +56,12 @@ def _npz(path, x_train, y_train, **overrides):
     (np.zeros((5, 784), np.uint8), np.zeros(5), r"\(5, 784\).*x.reshape\(-1, 28, 28\)"),
     (np.zeros((5, 8, 8), np.uint8), np.zeros(4), "5 examples but y_train 4 labels"),
     (np.zeros((5, 8, 8), np.uint8), np.eye(3)[[0, 1, 2, 0, 1]], r"one-hot.*argmax\(axis=1\)"),
+    # Negative labels would train as loss 0 (bounded_labels), beyond int32 wrap around.
+    (np.zeros((5, 8, 8), np.uint8), np.array([0, -1, 2, -3, 1]), r"bad.npz: y_train holds 2 labels "
+     r"outside \[0, classes\)"),
+    (np.zeros((5, 8, 8), np.uint8), np.array([0, 2**31, 1, 2, 1], np.int64),
+     r"y_train holds 1 labels outside"),
+    (np.zeros((5, 8, 8), np.uint8), np.array([0, 1.5, 1, 2, 1]), r"y_train has dtype float64"),
 ])
 def test_malformed_npz_is_refused_with_the_fix(tmp_path, x, y, match):
   with pytest.raises(ValueError, match=match):
@@ -108,7 +113,6 @@ def test_main_job_prints_accuracy_and_certified_epsilon(tmp_path):
   assert {"epoch_loss", "epoch_accuracy", "epsilon", "epsilon_nominal"} <= _event_tags(tmp_path)
 
 
-@pytest.mark.skipif(not MNIST.exists(), reason="../shared/data/mnist_10k.npz not present")
 def test_npz_run_calibrates_to_target_epsilon(tmp_path):
   npz = tmp_path / "small.npz"
   with np.load(MNIST) as f:
