@@ -119,9 +119,14 @@ OUTSIDE = re.compile(r"\.\./shared|/work/|shared/(data|papers)/")
 
 
 def test_no_path_outside_the_repository():
-  files = [ROOT / "README.md", ROOT / "setup.cfg"]
-  for folder in ("docs", "tutorials", "tfdp_variants"):
-    files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".txt", ".cfg")]
+  """README, docs/, tutorials/, the package and the rest of the repository (bench results, tests)
+  name no path outside it, such as a data or papers folder beside a clone."""
+  files = [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts
+           and "out" not in p.relative_to(ROOT).parts and p != pathlib.Path(__file__)
+           and (p.suffix in (".py", ".md", ".txt", ".cfg", ".json", ".sh") or p.name == "run")]
+  assert {"README.md", "tutorials", "docs", "tfdp_variants"} <= {
+      p.relative_to(ROOT).parts[0] for p in files}
   found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
-           for i, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
+           for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+           if OUTSIDE.search(line)]
   assert not found, "\n".join(found)

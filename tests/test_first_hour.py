@@ -39,7 +39,7 @@ def _xy(n=200):
 
 
 @pytest.mark.parametrize("as_dataset,optimizer", [(False, "sgd"), (True, "nadam")])
-def test_make_private_is_consistent_and_trains_to_the_target(as_dataset, optimizer):
+def test_make_private_is_consistent_and_trains_to_the_target(as_dataset, optimizer, capsys):
   x, y = _xy()
   train = tf.data.Dataset.from_tensor_slices((x, y)) if as_dataset else (x, y)
   base = tf.keras.optimizers.Nadam if optimizer == "nadam" else optimizer
@@ -66,9 +66,15 @@ def test_make_private_is_consistent_and_trains_to_the_target(as_dataset, optimiz
   logger = private.callbacks[0]
   assert logger.steps == steps and logger.epsilon == pytest.approx(private.epsilon, rel=1e-9)
   assert target - 0.01 < logger.epsilon <= target
+  # The budget allows exactly the planned steps: fit ends there, with nothing to stop or say.
+  out = capsys.readouterr().out
+  assert "PrivacyBudget: stopped" not in out and f"epoch {epochs}: certified ε" in out
 
 
 def test_make_private_refuses_what_it_cannot_build():
+  with pytest.raises(TypeError, match=r"train_data must be \(x, y\)"):
+    tfdp_variants.make_private(_xy()[0], target_epsilon=1.0, delta=DELTA, epochs=1,
+                               expected_batch_size=10)
   with pytest.raises(ValueError, match="Unknown optimizer 'adamw'"):
     tfdp_variants.make_private(_xy(), target_epsilon=1.0, delta=DELTA, epochs=1,
                                expected_batch_size=10, optimizer="adamw")

@@ -283,3 +283,22 @@ def test_multi_worker_strategy_without_tf_config_is_refused(tmp_path, monkeypatc
   monkeypatch.delenv("TF_CONFIG", raising=False)
   out = _run(tmp_path, "--strategy=multi_worker")
   assert out.returncode != 0 and "TF_CONFIG environment variable, which is unset" in out.stderr
+
+
+def test_binary_states_its_plan_first_and_names_the_run_by_its_optimizer(tmp_path):
+  """--optimizer=adam takes Adam's learning rate, not SGD's; C, σ, q and the steps, with the ε
+  they reach, are printed before training; the default run folder is named by the optimizer."""
+  out = subprocess.run(
+      [sys.executable, "-m", "tfdp_variants.train", "--optimizer=adam", "--epochs=1",
+       "--batch_size=200"], capture_output=True, text=True, cwd=tmp_path, timeout=600,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
+  assert out.returncode == 0, out.stderr[-3000:]
+  want = accounting.epsilon(1.1, 200 / 1438, 7, 1e-5)  # round(1438 / 200) = 7 steps.
+  plan = (f"Training DPAdam (certified), learning rate 0.001, C = 1.5, σ = 1.1, poisson "
+          f"sampling, add/remove one example, q = {200 / 1438:.4g}, 7 steps an epoch × 1 epochs "
+          f"= 7 steps: at the end certified ε = {want:.3f}")
+  assert plan in out.stdout and out.stdout.index(plan) < out.stdout.index("epoch 1:")
+  [run] = (tmp_path / "runs").iterdir()
+  assert run.name.startswith("dpadam-")
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["learning_rate"] == 0.001 and summary["optimizer"] == "DPAdam"

@@ -63,6 +63,7 @@ from tfdp_variants import sampling as sampling_lib
 from tfdp_variants import stack
 from tfdp_variants import summaries
 from tfdp_variants.optimizers import DPOptimizerMixin
+from tfdp_variants.summaries import DropTrainingLogs  # pylint: disable=unused-import
 
 ArrayLike = Union[np.ndarray, tf.Tensor]
 
@@ -592,35 +593,3 @@ class LayerNormLogger(tf.keras.callbacks.Callback):
 
   def on_train_end(self, logs=None):
     self._summaries.close()
-
-
-class DropTrainingLogs(tf.keras.callbacks.Callback):
-  """Removes Keras' logged loss and metrics from `logs`: they are computed on the private batch
-  without noise, outside the privacy guarantee (docs/guarantees.md, "What the ε means").
-
-  List it first, `fit(..., callbacks=[DropTrainingLogs(), logger])`: the progress bar, History,
-  TensorBoard and every callback listed after it see none of them (a callback listed before it
-  does); the privacy callbacks listed after it still add ε. Validation metrics (`val_*`) go too,
-  unless `keep_validation=True` (for validation data outside the private training set).
-  """
-
-  def __init__(self, keep_validation: bool = False):
-    super().__init__()
-    self.keep_validation = keep_validation
-
-  def _drop(self, logs) -> None:
-    for key in [k for k in logs or {} if not (self.keep_validation and k.startswith("val_"))]:
-      del logs[key]
-
-  def on_train_batch_end(self, batch, logs=None):
-    self._drop(logs)
-
-  def on_test_batch_end(self, batch, logs=None):
-    if not self.keep_validation:
-      self._drop(logs)
-
-  def on_epoch_end(self, epoch, logs=None):
-    self._drop(logs)
-
-  def on_train_end(self, logs=None):
-    self._drop(logs)

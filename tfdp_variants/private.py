@@ -97,6 +97,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     **options: the algorithm's options (e.g. `order="clip_then_noise"`).
 
   Raises:
+    TypeError: for `train_data` neither `(x, y)` nor a tf.data.Dataset.
     ValueError: on a plan no σ can meet, an algorithm without a certified ε (unless `nominal`),
       or data `data.poisson_dataset` refuses.
   """
@@ -108,8 +109,11 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     raise ValueError(f"epochs must be a positive int, got {epochs!r}.")
   if isinstance(train_data, tf.data.Dataset):
     x, y = data.to_arrays(train_data), None
-  else:
+  elif isinstance(train_data, (tuple, list)) and len(train_data) == 2:
     x, y = train_data
+  else:
+    raise TypeError("train_data must be (x, y), arrays of one example per row, or a finite "
+                    f"tf.data.Dataset of (x, y) examples; got {type(train_data).__name__}.")
   n = data.num_examples(x if y is None else (x, y))
   if not 0 < expected_batch_size <= n:
     raise ValueError(f"expected_batch_size must be in (0, N = {n}], got {expected_batch_size!r}.")

@@ -1,4 +1,5 @@
-"""TensorBoard scalars and histograms of the callbacks, whatever their place in fit's list.
+"""What the callbacks log: TensorBoard scalars and histograms, whatever the callbacks' place in
+fit's list, and `DropTrainingLogs` (exported by `tfdp_variants.callbacks`).
 
 Keras' `TensorBoard` callback writes the epoch's `logs` when its own `on_epoch_end` runs: a value a
 callback listed after it adds (the privacy callbacks' ε) would never reach it. `tensorboards_before`
@@ -69,3 +70,35 @@ def tensorboards_before(callback: tf.keras.callbacks.Callback) -> list[Summaries
   before = running.callbacks[:[id(c) for c in running.callbacks].index(id(callback))]
   return [Summaries(os.path.join(c.log_dir, "train"), prefix="epoch_") for c in before
           if isinstance(c, tf.keras.callbacks.TensorBoard)]
+
+
+class DropTrainingLogs(tf.keras.callbacks.Callback):
+  """Removes Keras' logged loss and metrics from `logs`: they are computed on the private batch
+  without noise, outside the privacy guarantee (docs/guarantees.md, "What the ε means").
+
+  List it first, `fit(..., callbacks=[DropTrainingLogs(), logger])`: the progress bar, History,
+  TensorBoard and every callback listed after it see none of them (a callback listed before it
+  does); the privacy callbacks listed after it still add ε. Validation metrics (`val_*`) go too,
+  unless `keep_validation=True` (for validation data outside the private training set).
+  """
+
+  def __init__(self, keep_validation: bool = False):
+    super().__init__()
+    self.keep_validation = keep_validation
+
+  def _drop(self, logs) -> None:
+    for key in [k for k in logs or {} if not (self.keep_validation and k.startswith("val_"))]:
+      del logs[key]
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._drop(logs)
+
+  def on_test_batch_end(self, batch, logs=None):
+    if not self.keep_validation:
+      self._drop(logs)
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._drop(logs)
+
+  def on_train_end(self, logs=None):
+    self._drop(logs)
