@@ -1,6 +1,7 @@
 """A new user's first hour (issue 41): one call to a target ε, ε of a plan, Poisson sampling of a
 tf.data pipeline, ε in TensorBoard whatever the callbacks' order, the shuffled-batches hint."""
 
+import doctest
 import glob
 import math
 import os
@@ -14,6 +15,7 @@ import tfdp_variants
 from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
+from tfdp_variants import private
 
 from test_callbacks import _loss, _model, B, DELTA, N, SIGMA
 
@@ -21,6 +23,10 @@ pytestmark = pytest.mark.stack
 
 # TF Privacy's compute_dp_sgd_privacy orders, written out: the reference is dp_accounting itself.
 ORDERS = [1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5] + list(range(5, 64)) + [128, 256, 512]
+
+
+def test_module_examples():
+  assert doctest.testmod(private).failed == 0 and doctest.testmod(data).failed == 0
 
 
 @pytest.mark.parametrize("n,batch,sigma,epochs", [(60000, 256, 1.1, 60), (1000, 100, 0.8, 2.5)])

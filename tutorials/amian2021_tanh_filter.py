@@ -153,7 +153,7 @@ def main(argv):
   plot(results, steps_per_epoch, out)
 
   dpsgd = results["DP-SGD"]["test_accuracy"][-1]
-  summary = {"dataset": dataset, "train_examples": len(y), "model": FLAGS.model,
+  summary = {"dataset": FLAGS.dataset, "train_examples": len(y), "model": FLAGS.model,
              "learning_rate": lr, "batch_size": FLAGS.batch_size, "epochs": FLAGS.epochs,
              "steps": steps_per_epoch * FLAGS.epochs, "noise_multiplier": sigma,
              "sampling": train.sampling.kind, "adjacency": train.sampling.adjacency,

@@ -182,7 +182,7 @@ def main(argv):
       results[f"σ={sigma:g}, C={clip:g}"] = {o: run(x, y, (xt, yt), sigma, clip, o) for o in ORDERS}
   plot(results, baseline, out)
 
-  summary = {"dataset": dataset, "train_examples": len(y), "model": FLAGS.model,
+  summary = {"dataset": FLAGS.dataset, "train_examples": len(y), "model": FLAGS.model,
              "parameters": int(models.get(FLAGS.model, x.shape[1:], 10).count_params()),
              "optimizer": FLAGS.optimizer, "learning_rate": FLAGS.learning_rate,
              "batch_size": FLAGS.batch_size, "epochs": FLAGS.epochs, "delta": FLAGS.delta,
