@@ -225,7 +225,7 @@ class PrivacyLogger(_Accountant):
   (Poisson-assumed, at the sensitivity the algorithm's paper uses) into `logs`, into the run of
   any `TensorBoard` callback listed before it and, with `log_dir`, into TensorBoard there. The
   epoch's line is printed once Keras' progress bar has ended its own (the next epoch's begin or
-  the end of training). With shuffled batches it says once, at the start of fit, what Poisson
+  the end of training). With shuffled batches it says once, at the first step, what Poisson
   sampling would certify for the same steps and how to switch.
 
   Args:
@@ -256,6 +256,9 @@ class PrivacyLogger(_Accountant):
   def on_train_begin(self, logs=None):
     super().on_train_begin(logs)
     self._summaries[1:] = summaries.tensorboards_before(self)
+
+  def _register(self) -> None:
+    super()._register()  # The optimizer is built: every algorithm can state its events.
     if self.sampling.kind == "shuffle" and not self._hinted:
       self._hinted = True
       self._hint_poisson()
