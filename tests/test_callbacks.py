@@ -79,7 +79,7 @@ def test_privacy_logger_dpadam(tmp_path, capsys):
   np.testing.assert_allclose(history["epsilon"], want, rtol=1e-12)
   np.testing.assert_allclose(history["epsilon_nominal"], want, rtol=1e-12)
   assert logger.epsilon == logger.epsilon_nominal == pytest.approx(want[1], rel=1e-12)
-  assert (f"epoch 2: certified ε = {want[1]:.4g}; nominal ε = {want[1]:.4g} "
+  assert (f"epoch 2: certified ε = {want[1]:.4g} = nominal "
           "(RDP, δ=1e-05; guarantee: certified; poisson sampling, add/remove one example)"
           ) in capsys.readouterr().out
   events = _events(str(tmp_path))

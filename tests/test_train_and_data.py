@@ -21,7 +21,7 @@ from tfdp_variants import local_cluster
 from tfdp_variants import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MNIST = ROOT.parent / "shared" / "data" / "mnist_10k.npz"
+MNIST = data.MNIST_10K  # Shipped with the package.
 
 
 def test_digits_is_embedded_and_split():
@@ -32,9 +32,8 @@ def test_digits_is_embedded_and_split():
   assert set(np.unique(y_train)) == set(range(10))
 
 
-@pytest.mark.skipif(not MNIST.exists(), reason="../shared/data/mnist_10k.npz not present")
-def test_npz_loads_mnist_subset():
-  (x_train, y_train), (x_test, y_test) = data.load(f"npz:{MNIST}")
+def test_shipped_mnist_subset_loads_by_name():
+  (x_train, y_train), (x_test, y_test) = data.load("mnist_10k")
   assert x_train.shape == (8000, 28, 28, 1) and x_test.shape == (2000, 28, 28, 1)
   assert x_train.max() == 1.0 and y_train.dtype == np.int32
 
@@ -57,6 +56,12 @@ def _npz(path, x_train, y_train, **overrides):
     (np.zeros((5, 784), np.uint8), np.zeros(5), r"\(5, 784\).*x.reshape\(-1, 28, 28\)"),
     (np.zeros((5, 8, 8), np.uint8), np.zeros(4), "5 examples but y_train 4 labels"),
     (np.zeros((5, 8, 8), np.uint8), np.eye(3)[[0, 1, 2, 0, 1]], r"one-hot.*argmax\(axis=1\)"),
+    # Negative labels would train as loss 0 (bounded_labels), beyond int32 wrap around.
+    (np.zeros((5, 8, 8), np.uint8), np.array([0, -1, 2, -3, 1]), r"bad.npz: y_train holds 2 labels "
+     r"outside \[0, classes\)"),
+    (np.zeros((5, 8, 8), np.uint8), np.array([0, 2**31, 1, 2, 1], np.int64),
+     r"y_train holds 1 labels outside"),
+    (np.zeros((5, 8, 8), np.uint8), np.array([0, 1.5, 1, 2, 1]), r"y_train has dtype float64"),
 ])
 def test_malformed_npz_is_refused_with_the_fix(tmp_path, x, y, match):
   with pytest.raises(ValueError, match=match):
@@ -108,7 +113,6 @@ def test_main_job_prints_accuracy_and_certified_epsilon(tmp_path):
   assert {"epoch_loss", "epoch_accuracy", "epsilon", "epsilon_nominal"} <= _event_tags(tmp_path)
 
 
-@pytest.mark.skipif(not MNIST.exists(), reason="../shared/data/mnist_10k.npz not present")
 def test_npz_run_calibrates_to_target_epsilon(tmp_path):
   npz = tmp_path / "small.npz"
   with np.load(MNIST) as f:
@@ -279,3 +283,22 @@ def test_multi_worker_strategy_without_tf_config_is_refused(tmp_path, monkeypatc
   monkeypatch.delenv("TF_CONFIG", raising=False)
   out = _run(tmp_path, "--strategy=multi_worker")
   assert out.returncode != 0 and "TF_CONFIG environment variable, which is unset" in out.stderr
+
+
+def test_binary_states_its_plan_first_and_names_the_run_by_its_optimizer(tmp_path):
+  """--optimizer=adam takes Adam's learning rate, not SGD's; C, σ, q and the steps, with the ε
+  they reach, are printed before training; the default run folder is named by the optimizer."""
+  out = subprocess.run(
+      [sys.executable, "-m", "tfdp_variants.train", "--optimizer=adam", "--epochs=1",
+       "--batch_size=200"], capture_output=True, text=True, cwd=tmp_path, timeout=600,
+      env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)})
+  assert out.returncode == 0, out.stderr[-3000:]
+  want = accounting.epsilon(1.1, 200 / 1438, 7, 1e-5)  # round(1438 / 200) = 7 steps.
+  plan = (f"Training DPAdam (certified), learning rate 0.001, C = 1.5, σ = 1.1, poisson "
+          f"sampling, add/remove one example, q = {200 / 1438:.4g}, 7 steps an epoch × 1 epochs "
+          f"= 7 steps: at the end certified ε = {want:.3f}")
+  assert plan in out.stdout and out.stdout.index(plan) < out.stdout.index("epoch 1:")
+  [run] = (tmp_path / "runs").iterdir()
+  assert run.name.startswith("dpadam-")
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["learning_rate"] == 0.001 and summary["optimizer"] == "DPAdam"

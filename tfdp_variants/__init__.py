@@ -56,6 +56,7 @@ from tfdp_variants import losses
 from tfdp_variants import metrics
 from tfdp_variants import models
 from tfdp_variants import per_example
+from tfdp_variants import private
 from tfdp_variants import sanity
 from tfdp_variants import stack
 from tfdp_variants import transforms
@@ -82,6 +83,9 @@ from tfdp_variants.optimizers import TanhFilterAdam
 from tfdp_variants.optimizers import TanhFilterSGD
 from tfdp_variants.per_example import enable_recurrences
 from tfdp_variants.per_example import per_example_gradients
+from tfdp_variants.private import compute_dp_sgd_privacy
+from tfdp_variants.private import make_private
+from tfdp_variants.private import PrivateTraining
 
 stack.install()
 

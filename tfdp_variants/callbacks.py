@@ -2,8 +2,10 @@
 
 They run inside plain `model.fit`. Their values go into `logs` at epoch end, so History, the
 progress bar and any callback listed after them (e.g. `tf.keras.callbacks.TensorBoard`) see them;
-given a `log_dir`, they also write them with `tf.summary` (one event per epoch, step = epoch), so
-TensorBoard shows them.
+`PrivacyLogger` also writes ε into the run of a `TensorBoard` callback listed before it (which
+has already written that epoch's logs), so ε reaches TensorBoard whatever the order. Given a
+`log_dir`, they also write their values there with `tf.summary` (one event per epoch, step =
+epoch).
 
 - `PrivacyLogger`: certified and nominal ε after each epoch, with the sampling they hold for.
 - `PrivacyBudget`: stops training before the next step would take ε past a target.
@@ -35,11 +37,11 @@ Example (Poisson batches, the sampling whose amplification the certified ε uses
   >>> budget = callbacks.PrivacyBudget(target_epsilon=4.5, sampling=dataset.sampling)
   >>> history = model.fit(dataset, epochs=3, verbose=0, callbacks=[logger, budget])
   ... # doctest: +NORMALIZE_WHITESPACE
-  epoch 1: certified ε = 3.839; nominal ε = 3.839 (RDP, δ=1e-05; guarantee: certified;
+  epoch 1: certified ε = 3.839 = nominal (RDP, δ=1e-05; guarantee: certified;
     poisson sampling, add/remove one example)
   PrivacyBudget: stopped after step 7 at certified ε = 4.331 (RDP, δ=1e-05; poisson sampling,
     add/remove one example): step 8 would reach ε = 4.508 > target 4.5.
-  epoch 2: certified ε = 4.331; nominal ε = 4.331 (RDP, δ=1e-05; guarantee: certified;
+  epoch 2: certified ε = 4.331 = nominal (RDP, δ=1e-05; guarantee: certified;
     poisson sampling, add/remove one example)
   >>> sorted(history.history)
   ['epsilon', 'epsilon_nominal', 'loss']
@@ -59,35 +61,11 @@ from tfdp_variants import optimizers
 from tfdp_variants import per_example
 from tfdp_variants import sampling as sampling_lib
 from tfdp_variants import stack
+from tfdp_variants import summaries
 from tfdp_variants.optimizers import DPOptimizerMixin
+from tfdp_variants.summaries import DropTrainingLogs  # pylint: disable=unused-import
 
 ArrayLike = Union[np.ndarray, tf.Tensor]
-
-
-class _Summaries:
-  """Writes scalars and histograms to `log_dir` with tf.summary; nothing when log_dir is None."""
-
-  def __init__(self, log_dir: Optional[str]):
-    self.log_dir = log_dir
-    self._writer: Optional[tf.summary.SummaryWriter] = None
-
-  def write(self, step: int, scalars: dict[str, float],
-            histograms: Optional[dict[str, ArrayLike]] = None) -> None:
-    if self.log_dir is None:
-      return
-    if self._writer is None:
-      self._writer = tf.summary.create_file_writer(self.log_dir)
-    with self._writer.as_default(step=step):
-      for name, value in scalars.items():
-        tf.summary.scalar(name, value)
-      for name, values in (histograms or {}).items():
-        tf.summary.histogram(name, values)
-    self._writer.flush()
-
-  def close(self) -> None:
-    if self._writer is not None:
-      self._writer.close()
-      self._writer = None
 
 
 def _dp_optimizer(model: tf.keras.Model, who: str) -> DPOptimizerMixin:
@@ -244,8 +222,11 @@ class PrivacyLogger(_Accountant):
   """Certified and nominal ε after every epoch, printed with the guarantee label and the sampling.
 
   Puts `epsilon` (certified; left out when a step has no certified event) and `epsilon_nominal`
-  (Poisson-assumed, at the sensitivity the algorithm's paper uses) into `logs` and, with
-  `log_dir`, into TensorBoard.
+  (Poisson-assumed, at the sensitivity the algorithm's paper uses) into `logs`, into the run of
+  any `TensorBoard` callback listed before it and, with `log_dir`, into TensorBoard there. The
+  epoch's line is printed once Keras' progress bar has ended its own (the next epoch's begin or
+  the end of training). With shuffled batches it says once, at the first step, what Poisson
+  sampling would certify for the same steps and how to switch.
 
   Args:
     num_examples: N, the size of the training set.
@@ -266,9 +247,47 @@ class PrivacyLogger(_Accountant):
                delta: float = 1e-5, log_dir: Optional[str] = None, method: str = "rdp",
                sampling: sampling_lib.SamplingLike = "shuffle"):
     super().__init__(num_examples, batch_size, delta, method, sampling)
-    self._summaries = _Summaries(log_dir)
+    self._summaries = [summaries.Summaries(log_dir)]
     self.epsilon: Optional[float] = None
     self.epsilon_nominal: Optional[float] = None
+    self._pending: Optional[str] = None  # The last epoch's line, printed after the progress bar's.
+    self._hinted = False
+
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    self._summaries[1:] = summaries.tensorboards_before(self)
+
+  def _register(self) -> None:
+    super()._register()  # The optimizer is built: every algorithm can state its events.
+    if self.sampling.kind == "shuffle" and not self._hinted:
+      self._hinted = True
+      self._hint_poisson()
+
+  def _hint_poisson(self) -> None:
+    """Says once what Poisson sampling would certify for this fit's steps, and how to switch."""
+    s, epochs = self.sampling, (self.params or {}).get("epochs") or 1
+    certified, poisson = sampling_lib.epsilons(self._optimizer, s, epochs * s.steps_per_epoch,
+                                               self.delta, self.method,
+                                               self.model.trainable_variables)
+    if certified is None or certified <= poisson:
+      return
+    print(f"PrivacyLogger: fit draws shuffled fixed-size batches, which no amplification theorem "
+          f"covers: {epochs} epochs certify ε = {certified:.3g}, where Poisson sampling of the same "
+          f"batch size would certify ε = {poisson:.3g} ({self.method.upper()}, δ={self.delta:g}). "
+          f"To switch: train = tfdp_variants.data.poisson_dataset(x, y, "
+          f"sampling_probability={s.batch_size:g}/{s.num_examples}, steps="
+          f"{sampling_lib.Sampling('poisson', s.num_examples, s.batch_size).steps_per_epoch}), "
+          f"the optimizer's expected_batch_size={s.batch_size:g}, and "
+          "PrivacyLogger(sampling=train.sampling); or tfdp_variants.make_private(...) makes all "
+          "three.", flush=True)
+
+  def _flush(self) -> None:
+    if self._pending is not None:
+      print(self._pending, flush=True)
+      self._pending = None
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._flush()
 
   def on_epoch_end(self, epoch, logs=None):
     super().on_epoch_end(epoch, logs)
@@ -278,15 +297,23 @@ class PrivacyLogger(_Accountant):
       values["epsilon"] = self.epsilon
     if logs is not None:
       logs.update(values)
-    self._summaries.write(epoch, values)
-    certified = ("no certified ε" if self.epsilon is None else
-                 f"certified ε = {self.epsilon:.4g}")
-    print(f"epoch {epoch + 1}: {certified}; nominal ε = {self.epsilon_nominal:.4g} "
-          f"({self.method.upper()}, δ={self.delta:g}; guarantee: "
-          f"{self._optimizer.privacy_guarantee}; {self.sampling.describe()})", flush=True)
+    for writer in self._summaries:
+      writer.write(epoch, values)
+    if self.epsilon is None:
+      stated = f"no certified ε; nominal ε = {self.epsilon_nominal:.4g}"
+    elif self.epsilon == self.epsilon_nominal:
+      stated = f"certified ε = {self.epsilon:.4g} = nominal"
+    else:
+      stated = f"certified ε = {self.epsilon:.4g}; nominal ε = {self.epsilon_nominal:.4g}"
+    # Printed when the next epoch begins or training ends: after the progress bar ends its line.
+    self._pending = (f"epoch {epoch + 1}: {stated} ({self.method.upper()}, δ={self.delta:g}; "
+                     f"guarantee: {self._optimizer.privacy_guarantee}; "
+                     f"{self.sampling.describe()})")
 
   def on_train_end(self, logs=None):
-    self._summaries.close()
+    self._flush()
+    for writer in self._summaries:
+      writer.close()
 
 
 class PrivacyBudget(_Accountant):
@@ -324,6 +351,7 @@ class PrivacyBudget(_Accountant):
     self.nominal = nominal
     self.max_steps: Optional[int] = None
     self._steps_ahead = 1
+    self._epoch = 0
 
   @property
   def _kind(self) -> str:
@@ -371,11 +399,20 @@ class PrivacyBudget(_Accountant):
           f"{self.max_steps} steps and {self.steps} have run: the budget cannot afford the next "
           f"{self._steps_ahead}. Raise target_epsilon or the noise multiplier.")
 
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+  def _fit_ends(self, batch: int) -> bool:
+    """Whether this was fit's last step anyway (no stop to make, nothing to say)."""
+    params = self.params or {}
+    return (self._epoch + 1 == params.get("epochs")
+            and batch + 1 >= (params.get("steps") or float("inf")))
+
   def on_train_batch_end(self, batch, logs=None):
     if not self._registered:  # A fit that ran no batch callbacks' begin (never, in Keras' fit).
       self._register()
     steps, ahead = self._read_steps(), self._steps_ahead
-    if steps + ahead <= self.max_steps:
+    if steps + ahead <= self.max_steps or self._fit_ends(batch):
       return
     self.model.stop_training = True
     after = self._budgeted_epsilon(steps + ahead)
@@ -453,7 +490,7 @@ class TPVDCallback(_StepCounter):
     self.twin_optimizer = twin_optimizer
     self.twin: Optional[tf.keras.Model] = None
     self.tpvd: Optional[float] = None
-    self._summaries = _Summaries(log_dir)
+    self._summaries = summaries.Summaries(log_dir)
     self._twin_step = None
     self._epoch_steps = 0
 
@@ -538,7 +575,7 @@ class LayerNormLogger(tf.keras.callbacks.Callback):
     self.every_n_epochs = every_n_epochs
     self.clip_fraction: Optional[float] = None
     self.norms: dict[str, np.ndarray] = {}
-    self._summaries = _Summaries(log_dir)
+    self._summaries = summaries.Summaries(log_dir)
     self._norms_fn = None
 
   def on_train_begin(self, logs=None):
@@ -559,35 +596,3 @@ class LayerNormLogger(tf.keras.callbacks.Callback):
 
   def on_train_end(self, logs=None):
     self._summaries.close()
-
-
-class DropTrainingLogs(tf.keras.callbacks.Callback):
-  """Removes Keras' logged loss and metrics from `logs`: they are computed on the private batch
-  without noise, outside the privacy guarantee (README, "What the ε means").
-
-  List it first, `fit(..., callbacks=[DropTrainingLogs(), logger])`: the progress bar, History,
-  TensorBoard and every callback listed after it see none of them (a callback listed before it
-  does); the privacy callbacks listed after it still add ε. Validation metrics (`val_*`) go too,
-  unless `keep_validation=True` (for validation data outside the private training set).
-  """
-
-  def __init__(self, keep_validation: bool = False):
-    super().__init__()
-    self.keep_validation = keep_validation
-
-  def _drop(self, logs) -> None:
-    for key in [k for k in logs or {} if not (self.keep_validation and k.startswith("val_"))]:
-      del logs[key]
-
-  def on_train_batch_end(self, batch, logs=None):
-    self._drop(logs)
-
-  def on_test_batch_end(self, batch, logs=None):
-    if not self.keep_validation:
-      self._drop(logs)
-
-  def on_epoch_end(self, epoch, logs=None):
-    self._drop(logs)
-
-  def on_train_end(self, logs=None):
-    self._drop(logs)

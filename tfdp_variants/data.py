@@ -2,8 +2,10 @@
 
     (x_train, y_train), (x_test, y_test) = data.load("cifar10", preprocessing="lin2020")
 
-Sources: `digits` (scikit-learn's 1,797 8×8 digits, embedded: no download), `npz:PATH` (a local
-file with arrays `x_train y_train x_test y_test`, e.g. ../shared/data/mnist_10k.npz) and the TFDS
+Sources: `digits` (scikit-learn's 1,797 8×8 digits, embedded: no download), `mnist_10k` (10,000
+real MNIST digits shipped with the package, 8,000 train / 2,000 test; attribution in
+`tfdp_variants/datasets/README.md`), `npz:PATH` (a local file with arrays
+`x_train y_train x_test y_test`, integer labels in [0, classes)) and the TFDS
 datasets `mnist`, `fashion_mnist`, `cifar10` and `svhn_cropped` (train and test splits; downloaded
 into TFDS' data dir on first use, so they need a network once). Images come back as float32 with a
 channel axis, labels as int32.
@@ -28,6 +30,7 @@ batch sizes vary (Binomial(N, q), mean q·N, possibly 0). Train on them with num
 from __future__ import annotations
 
 import itertools
+import pathlib
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -38,6 +41,9 @@ from tfdp_variants import sampling
 Split = tuple[np.ndarray, np.ndarray]
 
 TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10", "svhn_cropped")
+
+# The shipped MNIST subset (MIT and CC BY-SA 3.0: datasets/README.md).
+MNIST_10K = pathlib.Path(__file__).resolve().parent / "datasets" / "mnist_10k.npz"
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -103,7 +109,8 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split
 
 
 def _labels(y: np.ndarray, path: str, split: str) -> np.ndarray:
-  """Integer class ids of shape (N,); (N, 1) is flattened, one-hot and float labels refused."""
+  """Integer class ids of shape (N,); (N, 1) is flattened; one-hot and float labels, and ids
+  outside [0, 2³¹) (negative, or beyond int32), are refused before any training."""
   if y.ndim == 2 and y.shape[1] == 1:
     y = y[:, 0]
   if y.ndim != 1:
@@ -114,6 +121,11 @@ def _labels(y: np.ndarray, path: str, split: str) -> np.ndarray:
     raise ValueError(f"{path}: y_{split} has dtype {y.dtype}, but labels must be integer class "
                      "ids (the losses are sparse categorical). Save them as integers, e.g. "
                      "y.astype(np.int64) once you have checked that they are whole numbers.")
+  bad = int(np.count_nonzero((y < 0) | (y > np.iinfo(np.int32).max)))
+  if bad:
+    raise ValueError(f"{path}: y_{split} holds {bad} labels outside [0, classes) (negative or "
+                     "beyond int32), which would train as loss 0 or wrap around: labels must be "
+                     "class ids 0, 1, ..., classes - 1. Map them to that range and save again.")
   return y.astype(np.int32)
 
 
@@ -174,33 +186,47 @@ def load_tfds(name: str, data_dir: Optional[str] = None,
 
 def load(name: str, preprocessing: str = "default", *, data_dir: Optional[str] = None,
          download: bool = True) -> tuple[Split, Split]:
-  """`digits`, `npz:PATH` or a TFDS name (`TFDS_DATASETS`), after `preprocessing`.
+  """`digits`, `mnist_10k`, `npz:PATH` or a TFDS name (`TFDS_DATASETS`), after `preprocessing`.
 
   `data_dir` and `download` go to TFDS (ignored for the other sources).
   """
   _check_preprocessing(preprocessing)  # Before any download.
   if name == "digits":
     train, test = load_digits()
+  elif name == "mnist_10k":
+    train, test = load_npz(str(MNIST_10K))
   elif name.startswith("npz:"):
     train, test = load_npz(name[len("npz:"):])
   elif name in TFDS_DATASETS:
     train, test = load_tfds(name, data_dir, download)
   else:
     raise ValueError(f"Unknown dataset {name!r}: use 'digits' (embedded, no download), "
-                     "'npz:PATH' (a local file with x_train, y_train, x_test, y_test) or a TFDS "
+                     "'mnist_10k' (shipped, no download), 'npz:PATH' (a local file with x_train, y_train, x_test, y_test) or a TFDS "
                      f"dataset ({', '.join(TFDS_DATASETS)}).")
   return ((preprocess(train[0], preprocessing), train[1]),
           (preprocess(test[0], preprocessing), test[1]))
 
 
-def poisson_batches(x: np.ndarray, y: np.ndarray, sampling_probability: float, steps: int,
-                    seed: Optional[int | Sequence[int]] = None) -> Iterator[Split]:
+Nested = object  # Arrays, or a tuple / dict (nested) of arrays of one length.
+
+
+def num_examples(data: Nested) -> int:
+  """N, the common length of the arrays of one training set (nested structures allowed)."""
+  lengths = {len(leaf) for leaf in tf.nest.flatten(data)}
+  if len(lengths) != 1:
+    raise ValueError(f"The arrays of one training set differ in length: {sorted(lengths)}.")
+  return lengths.pop()
+
+
+def poisson_batches(x: Nested, y: Optional[Nested], sampling_probability: float, steps: int,
+                    seed: Optional[int | Sequence[int]] = None) -> Iterator:
   """`steps` batches of Poisson sampling: each example in each batch independently w.p. q.
 
-  The sampling the RDP/PLD analysis of DP-SGD assumes (Abadi et al. 2016 §3.1; Mironov et al.
-  2019), with q = `sampling_probability` and N = len(x): batch sizes are Binomial(N, q), of mean
-  q·N, and empty with probability (1 − q)^N. Examples keep their order within a batch. Train with
-  num_microbatches=None.
+  The sampling the RDP/PLD analysis of DP-SGD assumes (Abadi et al. 2016 §3.1, arXiv:1607.00133;
+  Mironov et al. 2019, arXiv:1908.10530), with q = `sampling_probability` and N = len(x): batch
+  sizes are Binomial(N, q), of mean q·N, and empty with probability (1 − q)^N. Examples keep their
+  order within a batch. Train with num_microbatches=None. `x` (and `y`) may be nested structures
+  of arrays; with `y` None the batches are `x`'s structure alone.
 
   The masks come from NumPy's generator seeded from OS entropy (`secrets`), so no one can
   reproduce them; amplification by sampling rests on that. A `seed` makes them reproducible, for
@@ -208,40 +234,92 @@ def poisson_batches(x: np.ndarray, y: np.ndarray, sampling_probability: float, s
   """
   if not 0 < sampling_probability <= 1:
     raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}.")
-  if len(x) != len(y):
-    raise ValueError(f"x and y differ in length: {len(x)} and {len(y)}.")
+  data = x if y is None else (x, y)
+  if y is not None and num_examples(x) != num_examples(y):
+    raise ValueError(f"x and y differ in length: {num_examples(x)} and {num_examples(y)}.")
   rng = np.random.default_rng(seed)
-  masks = (rng.random(len(x)) < sampling_probability for _ in range(steps))
-  return ((x[mask], y[mask]) for mask in masks)
+  n = num_examples(data)
+  masks = (rng.random(n) < sampling_probability for _ in range(steps))
+  return (tf.nest.map_structure(lambda a, m=mask: a[m], data) for mask in masks)
 
 
-def poisson_dataset(x: np.ndarray, y: np.ndarray, sampling_probability: float, steps: int,
+def to_arrays(dataset: tf.data.Dataset) -> Nested:
+  """The finite `dataset`'s examples, read once into NumPy arrays of its element structure."""
+  count = int(dataset.cardinality())
+  if count < 0:
+    raise ValueError("poisson_dataset needs a finite dataset of known size (N sets q = B/N and the "
+                     "guarantee): its cardinality is "
+                     f"{'infinite' if count == tf.data.INFINITE_CARDINALITY else 'unknown'}. "
+                     "Drop any .repeat(), and state the size of a filtered or TFRecord pipeline "
+                     "with dataset.apply(tf.data.experimental.assert_cardinality(N)).")
+  if count == 0:
+    raise ValueError("poisson_dataset got an empty dataset.")
+  batched = [name for name, _ in sampling._stages(dataset)  # pylint: disable=protected-access
+             if name in sampling._BATCHES]  # pylint: disable=protected-access
+  if batched:
+    raise ValueError(f"poisson_dataset samples single examples, but the dataset is batched "
+                     f"({batched[0]}): each of its elements would count as one example in the "
+                     "guarantee. Pass the pipeline before .batch(), or .unbatch() it.")
+  try:
+    chunks = list(dataset.batch(4096).as_numpy_iterator())
+  except (tf.errors.InvalidArgumentError, ValueError) as e:
+    raise ValueError("poisson_dataset stacks the dataset's examples into arrays, so every "
+                     "component must have one shape across examples: pad or resize variable-"
+                     f"length components first ({type(e).__name__}: {e}).") from e
+  arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *chunks)
+  if num_examples(arrays) != count:
+    raise ValueError(f"The dataset declares {count} examples but yields {num_examples(arrays)}: fix "
+                     "its assert_cardinality.")
+  return arrays
+
+
+def poisson_dataset(x: Nested | tf.data.Dataset, y: Optional[Nested] = None,
+                    sampling_probability: Optional[float] = None, steps: Optional[int] = None,
                     seed: Optional[int] = None) -> tf.data.Dataset:
   """`poisson_batches` as a tf.data.Dataset of `steps` variable-size batches, for `model.fit`.
 
-  Each pass over the dataset (each epoch of `fit(dataset, epochs=E)`) draws new batches. `steps` =
+  The training set is arrays `x, y` (nested structures allowed), or a finite tf.data.Dataset of
+  single examples `x` (y None; elements of any structure of fixed shapes, e.g. `(image, label)`
+  parsed from TFRecords), known size N (`assert_cardinality` when tf.data cannot tell). A dataset
+  is read once into memory; the batches are drawn from those arrays, with the same secret masks
+  and the same certificate as arrays.
+
+  Each pass over the result (each epoch of `fit(dataset, epochs=E)`) draws new batches. `steps` =
   round(1/q) makes an epoch one expected pass over the data. Use num_microbatches=None and
   `expected_batch_size=dataset.sampling.batch_size` in the optimizer, and give
-  `sampling=dataset.sampling` to the privacy callbacks. `seed` (debugging only) makes the passes
-  reproducible, from (seed, pass number), and the sample no secret.
+  `sampling=dataset.sampling` to the privacy callbacks (`tfdp_variants.make_private` does all
+  three). `seed` (debugging only) makes the passes reproducible, from (seed, pass number), and the
+  sample no secret.
 
   Example:
     >>> import numpy as np
     >>> x, y = np.zeros((100, 3), np.float32), np.zeros(100, np.int32)
     >>> dataset = poisson_dataset(x, y, 0.1, steps=10)
-    >>> dataset.sampling
-    Sampling(kind='poisson', num_examples=100, batch_size=10.0, secret=True)
+    >>> dataset.sampling.describe(), dataset.sampling.batch_size
+    ('poisson sampling, add/remove one example', 10.0)
+    >>> examples = tf.data.Dataset.from_tensor_slices((x, y))
+    >>> poisson_dataset(examples, sampling_probability=0.1, steps=10).sampling.num_examples
+    100
   """
+  if sampling_probability is None or steps is None:
+    raise ValueError("poisson_dataset needs sampling_probability (q = B/N) and steps.")
+  if isinstance(x, tf.data.Dataset):
+    if y is not None:
+      raise ValueError("Pass a tf.data.Dataset of (x, y) examples alone, without y.")
+    x = to_arrays(x)
+  data = x if y is None else (x, y)
   passes = itertools.count()
   pass_seed = lambda: None if seed is None else (seed, next(passes))
   # The length is asserted: over a dataset of unknown size Keras makes one more train call in the
   # first epoch, which finds no batch but still advances the optimizer's step counters (dp_steps).
+  signature = tf.nest.map_structure(
+      lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
   dataset = tf.data.Dataset.from_generator(
       lambda: poisson_batches(x, y, sampling_probability, steps, pass_seed()),
-      output_signature=(tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
-                        tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)))
+      output_signature=signature
   ).apply(tf.data.experimental.assert_cardinality(steps)).prefetch(tf.data.AUTOTUNE)
-  dataset.sampling = sampling.Sampling("poisson", len(x), sampling_probability * len(x),
+  n = num_examples(data)
+  dataset.sampling = sampling.Sampling("poisson", n, sampling_probability * n,
                                        secret=seed is None)
   return dataset
 

@@ -1,7 +1,7 @@
 r"""Train any algorithm on any model and dataset; report accuracy and ε with its guarantee.
 
   python -m tfdp_variants.train                  # DP-SGD on 8×8 digits (embedded), ~15 s on 2 cores
-  python -m tfdp_variants.train --dataset=npz:../shared/data/mnist_10k.npz --target_epsilon=3
+  python -m tfdp_variants.train --dataset=mnist_10k --target_epsilon=3   # shipped MNIST subset
   python -m tfdp_variants.train --algorithm=noisy_gradient --options=order=clip_then_noise \
       --dataset=mnist --model=lin2020_cnn --optimizer=adam --learning_rate=1e-3
 
@@ -57,10 +57,12 @@ from tfdp_variants import audit
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import models
+from tfdp_variants import private
 from tfdp_variants import sampling as sampling_lib
 
-_BASES = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam,
-          "rmsprop": tf.keras.optimizers.RMSprop, "adagrad": tf.keras.optimizers.Adagrad}
+# --learning_rate by --optimizer: SGD's is TF Privacy's MNIST tutorial's (0.25 at C = 1.5), tuned
+# here for the default model; the adaptive ones take Keras' defaults.
+DEFAULT_LEARNING_RATES = {"sgd": 0.35, "adam": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-3}
 
 
 def _options_help() -> str:
@@ -76,11 +78,12 @@ def _options_help() -> str:
 _ALGORITHM = flags.DEFINE_enum("algorithm", "dpsgd", sorted(algorithms.REGISTRY),
                                "The DP algorithm.")
 _OPTIONS = flags.DEFINE_list("options", [], _options_help())
-_OPTIMIZER = flags.DEFINE_enum("optimizer", "sgd", sorted(_BASES), "Base Keras optimizer.")
+_OPTIMIZER = flags.DEFINE_enum("optimizer", "sgd", sorted(private.BASES), "Base Keras optimizer.")
 _MODEL = flags.DEFINE_enum("model", "auto", ["auto", *sorted(models.MODELS)],
                            "Model; 'auto': small_cnn for inputs under 14×14, else amian_cnn (TF "
                            "Privacy's tutorial CNN).")
 _DATASET = flags.DEFINE_string("dataset", "digits", "'digits' (embedded, no download), "
+                               "'mnist_10k' (10,000 MNIST digits shipped with the package), "
                                "'npz:PATH', or a TFDS name: mnist, fashion_mnist, cifar10, "
                                "svhn_cropped.")
 _PREPROCESSING = flags.DEFINE_enum("preprocessing", "default",
@@ -88,7 +91,9 @@ _PREPROCESSING = flags.DEFINE_enum("preprocessing", "default",
                                    "Image preprocessing (lin2020: 28×28 grayscale).")
 _EPOCHS = flags.DEFINE_integer("epochs", 30, "Passes over the training data.")
 _BATCH = flags.DEFINE_integer("batch_size", 250, "Examples per step (the lot).")
-_LR = flags.DEFINE_float("learning_rate", 0.35, "Learning rate of the base optimizer.")
+_LR = flags.DEFINE_float("learning_rate", None, "Learning rate of the base optimizer; default by "
+                         "--optimizer: " + ", ".join(f"{k} {v:g}" for k, v in
+                                                     DEFAULT_LEARNING_RATES.items()) + ".")
 _CLIP = flags.DEFINE_float("l2_norm_clip", 1.5, "C: bound on each microbatch gradient's norm.")
 _SIGMA = flags.DEFINE_float("noise_multiplier", 1.1, "σ (ignored with --target_epsilon).")
 _MICRO = flags.DEFINE_integer("num_microbatches", None, "Microbatches per batch; default one per "
@@ -102,7 +107,7 @@ _SAMPLING = flags.DEFINE_enum("sampling", "poisson", list(sampling_lib.KINDS),
                               "shuffle: fixed-size shuffled batches (certified without "
                               "amplification, Poisson-assumed ε only nominal).")
 _LOGDIR = flags.DEFINE_string("logdir", None, "TensorBoard logs and summary.json; default "
-                              "runs/<algorithm>-<time>.")
+                              "runs/<optimizer class, e.g. dpadam>-<time>.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for initialisation and the order of shuffled batches; "
                              "DP noise and Poisson masks are never seeded.")
 _STRATEGY = flags.DEFINE_enum("strategy", "none", ["none", "mirrored", "multi_worker"],
@@ -157,7 +162,7 @@ def make_strategy(kind: str, cpu_replicas: Optional[int]) -> Optional[tf.distrib
           "--strategy=multi_worker reads the cluster from the TF_CONFIG environment variable, "
           "which is unset. On each host set e.g. TF_CONFIG='{\"cluster\": {\"worker\": "
           "[\"host0:12345\", \"host1:12345\"]}, \"task\": {\"type\": \"worker\", \"index\": "
-          "0}}' (index 1 on the second host; README, \"Several GPUs or hosts\"), or use "
+          "0}}' (index 1 on the second host; docs/distributed.md), or use "
           "--strategy=mirrored for the GPUs of one host.")
     try:
       parsed = json.loads(config)
@@ -262,12 +267,13 @@ def main(argv):
 
   name = model_name(_MODEL.value, x_train.shape[1:])
   num_classes = int(max(y_train.max(), y_test.max())) + 1
-  optimizer_cls = tfdp_variants.make_dp_optimizer_class(_BASES[_OPTIMIZER.value],
+  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
                                                         _ALGORITHM.value)
+  learning_rate = _LR.value if _LR.value is not None else DEFAULT_LEARNING_RATES[_OPTIMIZER.value]
 
   def optimizer_at(sigma: float):
     return optimizer_cls(l2_norm_clip=_CLIP.value, noise_multiplier=sigma,
-                         num_microbatches=_MICRO.value, learning_rate=_LR.value,
+                         num_microbatches=_MICRO.value, learning_rate=learning_rate,
                          expected_batch_size=batch if poisson else None, **options)
 
   # Model, optimizer and compile inside the strategy's scope, so its variables are mirrored.
@@ -285,10 +291,12 @@ def main(argv):
       "noise_multiplier": sigma, "accounting": _ACCOUNTING.value, "sampling_probability": q,
       "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
       "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
-      "learning_rate": _LR.value, "l2_norm_clip": _CLIP.value,
+      "learning_rate": learning_rate, "l2_norm_clip": _CLIP.value,
       "num_microbatches": _MICRO.value, "strategy": _STRATEGY.value, "num_replicas": replicas,
   }
-  logdir = _LOGDIR.value or os.path.join("runs", f"{_ALGORITHM.value}-{time.strftime('%Y%m%d-%H%M%S')}")
+  logdir = _LOGDIR.value or os.path.join(
+      "runs", f"{type(optimizer).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}")
+  _print_plan(optimizer, sigma, learning_rate, sampling, steps_per_epoch, model)
   chief = is_chief(strategy)
   if _AUDIT.value:
     config["audit"] = audit_before_training(
@@ -350,6 +358,20 @@ def _noise_multiplier(optimizer_at: Callable[[float], object], sampling: samplin
         f"{total_steps} steps ({sampling.describe()}, q = {sampling.sampling_probability:.4f}, "
         f"δ = {_DELTA.value}).", flush=True)
   return sigma
+
+
+def _print_plan(optimizer, sigma: float, learning_rate: float, sampling: sampling_lib.Sampling,
+                steps_per_epoch: int, model: tf.keras.Model) -> None:
+  """Before training: the optimizer, C, σ, the sampling, the steps and the ε they will reach."""
+  steps = steps_per_epoch * _EPOCHS.value
+  certified, nominal = sampling_lib.epsilons(optimizer, sampling, steps, _DELTA.value,
+                                             _ACCOUNTING.value, model.trainable_variables)
+  at_end = ("no certified ε" if certified is None else f"certified ε = {certified:.3f}")
+  print(f"Training {type(optimizer).__name__} ({optimizer.privacy_guarantee}), learning rate "
+        f"{learning_rate:g}, C = {_CLIP.value:g}, σ = {sigma:.4g}, {sampling.describe()}, q = "
+        f"{sampling.sampling_probability:.4g}, {steps_per_epoch} steps an epoch × {_EPOCHS.value} "
+        f"epochs = {steps} steps: at the end {at_end}, nominal ε = {nominal:.3f} "
+        f"({_ACCOUNTING.value.upper()}, δ = {_DELTA.value:g}).", flush=True)
 
 
 def _check_microbatch_flags(poisson: bool, replicas: int) -> None:

@@ -1,7 +1,7 @@
 r"""Amian 2021: tanh-filtered DP-SGD vs DP-SGD on MNIST, with the nominal and the true ε.
 
-Paper: M. Amian, "Improving Deep Learning Differential Privacy" (2021;
-/work/shared/papers/amian2021_tanh_filter_dpsgd.txt), Algorithm 1: each per-example gradient goes
+Paper: M. Amian, "Improving the Algorithm of Deep Learning with Differential Privacy" (2021,
+arXiv:2107.05457), Algorithm 1: each per-example gradient goes
 elementwise through f(x) = c·tanh(x/k) instead of being clipped to norm 1, then N(0, σ² I) is
 added to the sum, and ε is accounted as for DP-SGD with sensitivity 1.
 
@@ -53,9 +53,9 @@ from tfdp_variants import models
 from tfdp_variants import sampling
 
 HERE = pathlib.Path(__file__).resolve()
-MNIST = HERE.parents[2] / "shared/data/mnist_10k.npz"
 
-flags.DEFINE_string("dataset", f"npz:{MNIST}", "Dataset for data.load (npz:PATH, digits, ...).")
+flags.DEFINE_string("dataset", "mnist_10k", "Dataset for data.load (mnist_10k, npz:PATH, digits, "
+                    "...).")
 flags.DEFINE_string("model", "amian_cnn", "Model name in tfdp_variants.models.MODELS.")
 flags.DEFINE_float("learning_rate", 0.15, "SGD learning rate (TF Privacy's MNIST tutorial).")
 flags.DEFINE_integer("batch_size", 256, "Expected Poisson batch size qN (the paper's: 256), one "
@@ -132,8 +132,7 @@ def main(argv):
   if FLAGS.smoke:
     FLAGS.train_examples, FLAGS.epochs, FLAGS.active_ranges = 256, 2, ["1"]
     FLAGS.batch_size = 128
-  dataset = FLAGS.dataset if MNIST.exists() or FLAGS.dataset != f"npz:{MNIST}" else "digits"
-  (x, y), (xt, yt) = data.load(dataset)
+  (x, y), (xt, yt) = data.load(FLAGS.dataset)
   x, y = x[:FLAGS.train_examples], y[:FLAGS.train_examples]
   if FLAGS.smoke:
     xt, yt = xt[:256], yt[:256]
@@ -154,7 +153,7 @@ def main(argv):
   plot(results, steps_per_epoch, out)
 
   dpsgd = results["DP-SGD"]["test_accuracy"][-1]
-  summary = {"dataset": dataset, "train_examples": len(y), "model": FLAGS.model,
+  summary = {"dataset": FLAGS.dataset, "train_examples": len(y), "model": FLAGS.model,
              "learning_rate": lr, "batch_size": FLAGS.batch_size, "epochs": FLAGS.epochs,
              "steps": steps_per_epoch * FLAGS.epochs, "noise_multiplier": sigma,
              "sampling": train.sampling.kind, "adjacency": train.sampling.adjacency,

@@ -1,7 +1,8 @@
 r"""Lin et al. 2020: add noise then clip (AC) vs clip then add noise (CA = DP-SGD), with TPVD.
 
-Paper: Lin, Zhang, Sun et al., "Towards better accuracy for differentially private deep learning
-by adding noise before gradient clipping" (2020; /work/shared/papers/lin2020_noisy_gradient_ac_vs_ca.txt).
+Paper: Y. Lin, L.-Y. Bao, Z.-M. Li, S.-S. Si, C.-H. Chu, "Differential privacy protection over
+deep learning: An investigation of its impacted factors", Computers & Security 99, 102061 (2020;
+no arXiv version; doi:10.1016/j.cose.2020.102061).
 
 Claim reproduced: at the same σ and C, AC (noise each example's gradient, then clip it; the paper's
 Algorithm 1) reaches higher accuracy and lower loss than CA (DP-SGD), and its trained weights lie
@@ -54,11 +55,11 @@ from tfdp_variants import models
 from tfdp_variants import sampling
 
 HERE = pathlib.Path(__file__).resolve()
-MNIST = HERE.parents[2] / "shared/data/mnist_10k.npz"
 BASES = {"adam": (tf.keras.optimizers.Adam, tfdp_variants.NoisyGradientAdam),
          "sgd": (tf.keras.optimizers.SGD, tfdp_variants.NoisyGradientSGD)}
 
-flags.DEFINE_string("dataset", f"npz:{MNIST}", "Dataset for data.load (npz:PATH, digits, ...).")
+flags.DEFINE_string("dataset", "mnist_10k", "Dataset for data.load (mnist_10k, npz:PATH, digits, "
+                    "...).")
 flags.DEFINE_string("model", "small_cnn", "Model name in tfdp_variants.models.MODELS.")
 flags.DEFINE_enum("optimizer", "adam", sorted(BASES), "Base optimizer (the paper: SGD and Adam).")
 flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
@@ -166,8 +167,7 @@ def main(argv):
   if FLAGS.smoke:
     FLAGS.train_examples, FLAGS.epochs = 256, 2
     FLAGS.noise_multipliers, FLAGS.clips = ["0.5"], ["1.4"]
-  dataset = FLAGS.dataset if MNIST.exists() or FLAGS.dataset != f"npz:{MNIST}" else "digits"
-  (x, y), (xt, yt) = data.load(dataset, models.MODELS[FLAGS.model].preprocessing)
+  (x, y), (xt, yt) = data.load(FLAGS.dataset, models.MODELS[FLAGS.model].preprocessing)
   order = np.random.default_rng(FLAGS.seed).permutation(len(y))[:FLAGS.train_examples]
   x, y = x[order], y[order]
   if FLAGS.smoke:
@@ -182,7 +182,7 @@ def main(argv):
       results[f"σ={sigma:g}, C={clip:g}"] = {o: run(x, y, (xt, yt), sigma, clip, o) for o in ORDERS}
   plot(results, baseline, out)
 
-  summary = {"dataset": dataset, "train_examples": len(y), "model": FLAGS.model,
+  summary = {"dataset": FLAGS.dataset, "train_examples": len(y), "model": FLAGS.model,
              "parameters": int(models.get(FLAGS.model, x.shape[1:], 10).count_params()),
              "optimizer": FLAGS.optimizer, "learning_rate": FLAGS.learning_rate,
              "batch_size": FLAGS.batch_size, "epochs": FLAGS.epochs, "delta": FLAGS.delta,

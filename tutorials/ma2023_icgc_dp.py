@@ -1,15 +1,15 @@
 r"""ICGC-DP (Ma et al. 2023): layered clipping with and without AWF vs DP-SGD on MNIST at ε = 2, 8.
 
-Paper: Ma et al., "Image classification algorithm based on layered gradient clipping under
-differential privacy" (ICGC-DP, IEEE Access 2023;
-/work/shared/papers/ma2023_icgc_dp_layered_clipping.txt), Figure 4 (MNIST, Model1).
+Paper: C. Ma, X. Kong, B. Huang, "Image Classification Based on Layered Gradient Clipping Under
+Differential Privacy" (ICGC-DP, IEEE Access 11, 2023; no arXiv version;
+doi:10.1109/ACCESS.2023.3249575), Figure 4 (MNIST, Model1).
 
 Claim reproduced: at the same privacy budget ε (δ = 1e-5), ICGC-DP — each example's layers clipped
 to the median of its own layer norms, noise scaled by C_Mi + β, β = 1/T², and two sub-models fused
 by adaptive weighted fusion (AWF) — reaches a higher test accuracy than DP-SGD (paper, MNIST:
 ε = 2: 97.36% vs 93.53%; ε = 8: +3.92 points on average).
 
-Setup: 8,000 real MNIST training digits (shared/data/mnist_10k.npz; 2,000 test), the paper's Model1
+Setup: 8,000 real MNIST training digits (the shipped `mnist_10k`; 2,000 test), the paper's Model1
 ("ma2023_model1", probabilities out) and its AWF pair ("ma2023_model1_awf"), Poisson sampling with
 expected batch 80 (q = 0.01 as the paper; `data.poisson_dataset`: secret batches, the noised sum
 divided by the expected batch size; unseeded noise), lr 0.005 as the paper, the same σ for all
@@ -31,7 +31,6 @@ method and ε. results.json and the printed table hold the numbers.
 
 import json
 import os
-import pathlib
 import time
 
 from absl import app
@@ -49,9 +48,9 @@ from tfdp_variants import data
 from tfdp_variants import models
 from tfdp_variants import sampling
 
-_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared/data/mnist_10k.npz"
 _OUT = flags.DEFINE_string("out_dir", "tutorials/out/ma2023", "Where plots and results.json go.")
-_DATASET = flags.DEFINE_string("dataset", f"npz:{_DATA}", "data.load name: npz:PATH or digits.")
+_DATASET = flags.DEFINE_string("dataset", "mnist_10k", "data.load name: mnist_10k, npz:PATH or "
+                                "digits.")
 _EPSILONS = flags.DEFINE_list("epsilons", ["2", "8"], "Target ε values (δ below).")
 _EPOCHS = flags.DEFINE_integer("epochs", 4, "Epochs per run.")
 _BATCH = flags.DEFINE_integer("batch_size", 80, "Expected Poisson batch (lot) size; 80 of 8,000 "

@@ -1,7 +1,8 @@
 r"""PIGDO (2022): the modified moments accountant (MMA) beside the moments accountant, RDP and PLD.
 
-Paper: "Privacy-preserving iterative gradient descent optimization" (PIGDO, 2022;
-/work/shared/papers/pigdo2022_iterative_gdo_mma.txt), Theorem 3 and Remark 4.
+Paper: "Differentially Private Deep Learning with Iterative Gradient Descent Optimization"
+(PIGDO, ACM/IMS Transactions on Data Science 2(4), 2021, published 2022; no arXiv version),
+Theorem 3 and Remark 4.
 
 Claim reproduced: MMA, ε = 2q·ln(1/δ) / (σ·√(δ^(−1/T) − 1)), gives a tighter ε than the moments
 accountant's closed form ε = 3q·√(T·ln(1/δ))/σ. Remark 4: q = 0.01, σ = 2, δ = 1e-5 and T = 40,000

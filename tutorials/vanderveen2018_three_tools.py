@@ -1,9 +1,9 @@
 """Three tools for practical differential privacy (van der Veen et al. 2018): the Section 3 workflow.
 
 Paper: K. L. van der Veen, R. Seggers, P. Bloem, G. Patrini, "Three Tools for Practical
-Differential Privacy", NeurIPS 2018 PPML workshop (papers/vanderveen2018_three_tools.txt).
+Differential Privacy", NeurIPS 2018 PPML workshop (arXiv:1812.02890).
 
-The paper's recipe, run end to end on the 8,000/2,000 MNIST subset (../shared/data/mnist_10k.npz):
+The paper's recipe, run end to end on the 8,000/2,000 MNIST subset shipped with the package (`mnist_10k`):
   1. Sanity check (§2.1, Figure 1): train the DP configuration and a non-private twin (same model,
      initialization and batches) on random labels and on random-noise inputs. Claim: DP stays near
      chance while the twin memorizes. Also the user-level pattern test (Figure 2), reduced to 200
@@ -50,9 +50,8 @@ import tfdp_variants
 from tfdp_variants import data, large_batch, models, sampling, sanity
 from tfdp_variants.algorithms.adaptive_clip import initial_l2_norm_clips_from_noise
 
-MNIST = pathlib.Path(__file__).resolve().parents[2] / "shared/data/mnist_10k.npz"
 flags.DEFINE_string("output_dir", "tutorials/out/vanderveen2018/", "Where plots and results go.")
-flags.DEFINE_string("dataset", f"npz:{MNIST}", "tfdp_variants.data.load name (full scale).")
+flags.DEFINE_string("dataset", "mnist_10k", "tfdp_variants.data.load name (full scale).")
 flags.DEFINE_float("epsilon", 8.0, "Certified privacy budget ε of every DP training run.")
 flags.DEFINE_float("delta", 1e-5, "δ.")
 flags.DEFINE_integer("epochs", 8, "Epochs of the MNIST runs (parts 2 and 3).")

@@ -1,0 +1,160 @@
+"""One call from training data and a target ε to a consistent private setup, and ε of a plan.
+
+`make_private` does what Opacus' `make_private_with_epsilon` does for PyTorch: from the training
+data, a target (ε, δ), the epochs and an expected batch size it calibrates σ and returns the
+Poisson-sampled dataset, the DP optimizer and the privacy callbacks, which agree by construction
+(the dataset's q and steps, the optimizer's `expected_batch_size`, the callbacks' `sampling`).
+`compute_dp_sgd_privacy` is TF Privacy's `compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy`: ε
+of DP-SGD on Poisson batches from n, the batch size, σ, the epochs and δ.
+
+Example:
+  >>> import numpy as np, tensorflow as tf, tfdp_variants
+  >>> x = np.random.default_rng(0).normal(size=(200, 4)).astype("float32")
+  >>> y = (x[:, 0] > 0).astype("int32")
+  >>> private = tfdp_variants.make_private((x, y), target_epsilon=2.0, delta=1e-5, epochs=2,
+  ...                                      expected_batch_size=20, learning_rate=0.05)
+  >>> private.sampling.describe(), private.optimizer.expected_batch_size
+  ('poisson sampling, add/remove one example', 20.0)
+  >>> round(private.noise_multiplier, 3), private.steps, private.epsilon <= 2.0
+  (1.486, 20, True)
+  >>> round(tfdp_variants.compute_dp_sgd_privacy(200, 20, private.noise_multiplier, 2, 1e-5), 3)
+  2.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Union
+
+import tensorflow as tf
+
+from tfdp_variants import accounting
+from tfdp_variants import callbacks as callbacks_lib
+from tfdp_variants import data
+from tfdp_variants import optimizers
+from tfdp_variants import sampling as sampling_lib
+
+# Keras base optimizers by name (the binary's --optimizer).
+BASES = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam,
+         "rmsprop": tf.keras.optimizers.RMSprop, "adagrad": tf.keras.optimizers.Adagrad}
+
+
+class PrivateTraining(NamedTuple):
+  """What `make_private` returns: train with
+  `model.compile(optimizer=p.optimizer, ...)` and `model.fit(p.dataset, epochs=p.epochs,
+  callbacks=p.callbacks)`.
+
+  Attributes:
+    dataset: secret Poisson batches (`data.poisson_dataset`), `steps_per_epoch` per epoch.
+    optimizer: the DP optimizer, dividing by the expected batch size.
+    callbacks: a `PrivacyLogger` (ε per epoch; to TensorBoard with `log_dir`) and a
+      `PrivacyBudget` that stops before ε passes the target.
+    noise_multiplier: the calibrated σ.
+    epsilon: the certified (or, with `nominal`, nominal) ε after `epochs`, at most the target.
+    epochs, steps_per_epoch, steps: the plan σ was calibrated for.
+    sampling: the dataset's `Sampling`.
+  """
+
+  dataset: tf.data.Dataset
+  optimizer: Any
+  callbacks: list
+  noise_multiplier: float
+  epsilon: float
+  epochs: int
+  steps_per_epoch: int
+  steps: int
+  sampling: sampling_lib.Sampling
+
+
+def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: float,
+                 delta: float, epochs: int, expected_batch_size: float,
+                 algorithm: str = "dpsgd", optimizer: Union[str, type] = "adam",
+                 l2_norm_clip: float = 1.0, learning_rate: Optional[float] = None,
+                 accountant: str = "rdp", log_dir: Optional[str] = None,
+                 model: Optional[tf.keras.Model] = None, nominal: bool = False,
+                 **options) -> PrivateTraining:
+  """The dataset, optimizer and callbacks of `epochs` epochs at `target_epsilon`, consistent.
+
+  σ is the smallest whose ε after epochs × round(N/B) Poisson steps of rate q = B/N is at most
+  `target_epsilon` (`sampling.noise_multiplier_for`: the algorithm's own step event, e.g. with
+  adaptive clipping's norm query, under `accountant`).
+
+  Args:
+    train_data: `(x, y)` arrays (nested structures allowed), or a finite tf.data.Dataset of single
+      `(x, y)` examples of known size (read once into memory; `data.poisson_dataset`).
+    target_epsilon, delta: the (ε, δ) budget of the whole training.
+    epochs: passes over the data (each round(N/B) steps).
+    expected_batch_size: B, the expected Poisson batch size q·N.
+    algorithm: a name in `tfdp_variants.algorithms.REGISTRY` ("dpsgd", "adaptive_clip", ...).
+    optimizer: the Keras base: "sgd", "adam", "rmsprop", "adagrad", or any Keras optimizer class.
+    l2_norm_clip: C.
+    learning_rate: the base's learning rate; None: Keras' default for that base.
+    accountant: "rdp" or "pld".
+    log_dir: where the `PrivacyLogger` writes ε for TensorBoard; None: only Keras' logs.
+    model: the model to train; needed only by per-layer algorithms (their events count layers).
+    nominal: calibrate and budget the nominal ε, for algorithms with no certified one (not a
+      guarantee).
+    **options: the algorithm's options (e.g. `order="clip_then_noise"`).
+
+  Raises:
+    TypeError: for `train_data` neither `(x, y)` nor a tf.data.Dataset.
+    ValueError: on a plan no σ can meet, an algorithm without a certified ε (unless `nominal`),
+      or data `data.poisson_dataset` refuses.
+  """
+  base = BASES.get(optimizer) if isinstance(optimizer, str) else optimizer
+  if base is None:
+    raise ValueError(f"Unknown optimizer {optimizer!r}: use one of {sorted(BASES)} or a Keras "
+                     "optimizer class such as tf.keras.optimizers.Nadam.")
+  if not (isinstance(epochs, int) and epochs > 0):
+    raise ValueError(f"epochs must be a positive int, got {epochs!r}.")
+  if isinstance(train_data, tf.data.Dataset):
+    x, y = data.to_arrays(train_data), None
+  elif isinstance(train_data, (tuple, list)) and len(train_data) == 2:
+    x, y = train_data
+  else:
+    raise TypeError("train_data must be (x, y), arrays of one example per row, or a finite "
+                    f"tf.data.Dataset of (x, y) examples; got {type(train_data).__name__}.")
+  n = data.num_examples(x if y is None else (x, y))
+  if not 0 < expected_batch_size <= n:
+    raise ValueError(f"expected_batch_size must be in (0, N = {n}], got {expected_batch_size!r}.")
+  sampling = sampling_lib.Sampling("poisson", n, float(expected_batch_size))
+  steps_per_epoch = sampling.steps_per_epoch
+  steps = epochs * steps_per_epoch
+  cls = optimizers.make_dp_optimizer_class(base, algorithm)
+  rate = {} if learning_rate is None else {"learning_rate": learning_rate}
+
+  def optimizer_at(sigma: float):
+    return cls(l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
+               expected_batch_size=sampling.batch_size, **rate, **options)
+
+  variables = None if model is None else model.trainable_variables
+  sigma = sampling_lib.noise_multiplier_for(target_epsilon, sampling, steps, delta, optimizer_at,
+                                            accountant, variables, nominal=nominal)
+  dp_optimizer = optimizer_at(sigma)
+  certified, nominal_epsilon = sampling_lib.epsilons(dp_optimizer, sampling, steps, delta,
+                                                     accountant, variables)
+  dataset = data.poisson_dataset(x, y, sampling.sampling_probability, steps_per_epoch)
+  privacy_callbacks = [
+      callbacks_lib.PrivacyLogger(delta=delta, log_dir=log_dir, method=accountant,
+                                  sampling=dataset.sampling),
+      callbacks_lib.PrivacyBudget(target_epsilon, delta=delta, method=accountant,
+                                  nominal=nominal, sampling=dataset.sampling)]
+  return PrivateTraining(dataset, dp_optimizer, privacy_callbacks, sigma,
+                         nominal_epsilon if nominal else certified, epochs, steps_per_epoch,
+                         steps, dataset.sampling)
+
+
+def compute_dp_sgd_privacy(n: int, batch_size: float, noise_multiplier: float, epochs: float,
+                           delta: float, method: str = "rdp") -> float:
+  """ε of DP-SGD on Poisson batches: q = batch_size / n for ⌈epochs·n / batch_size⌉ steps.
+
+  TF Privacy's `compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy` (the same steps and, with
+  "rdp", the same RDP orders, so the same number; add/remove adjacency, one example per
+  microbatch). `large_batch.calibrate_noise_multiplier` is its inverse.
+  """
+  if not 0 < batch_size <= n:
+    raise ValueError(f"batch_size must be in (0, n = {n}], got {batch_size!r}.")
+  if not epochs > 0:
+    raise ValueError(f"epochs must be > 0, got {epochs!r}.")
+  steps = int(math.ceil(epochs * n / batch_size))
+  return accounting.epsilon(noise_multiplier, batch_size / n, steps, delta, method)
