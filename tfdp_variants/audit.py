@@ -581,20 +581,22 @@ def _black_box_experiment(optimizer_factory: Callable[[], object], trials: int, 
   absent_mask[0] = 0.0
 
   @tf.function
-  def run():
-    def body(i, xb, yb, mp, ma, scores_p, scores_a):
+  def run(xb, yb, mp, ma):
+    # The batch and masks are the function's arguments, which the loop body captures: proven to
+    # hold the examples on axis 0 (loop state would not be, and is refused as unproven).
+    def body(i, scores_p, scores_a):
       score_p = trial(xb, yb, mp)
       with tf.control_dependencies([score_p]):
         score_a = trial(xb, yb, ma)
-      return i + 1, xb, yb, mp, ma, scores_p.write(i, score_p), scores_a.write(i, score_a)
+      return i + 1, scores_p.write(i, score_p), scores_a.write(i, score_a)
     *_, scores_p, scores_a = tf.while_loop(
         lambda i, *_: i < trials, body,
-        (tf.constant(0), tf.constant(xs), tf.constant(ys), tf.constant(present_mask),
-         tf.constant(absent_mask), tf.TensorArray(tf.float32, size=trials),
+        (tf.constant(0), tf.TensorArray(tf.float32, size=trials),
          tf.TensorArray(tf.float32, size=trials)))
     return scores_p.stack(), scores_a.stack()
 
-  present, absent = (s.numpy().astype(np.float64) for s in run())
+  present, absent = (s.numpy().astype(np.float64) for s in run(
+      *map(tf.constant, (xs, ys, present_mask, absent_mask))))
   return present, absent, optimizer, batch_size
 
 

@@ -130,7 +130,7 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
   to mix examples raises a ValueError naming it and its layer; so does a loss the analysis cannot
   prove per example (`trace.per_example_rows`: it lost the examples at an op it cannot follow,
   which the error names with the fix), whatever the inputs' dtype: a test on values could not
-  see mixing on integer ids or behind `stop_gradient` (SPEC §6). A loss that depends on no example
+  see mixing on integer ids or behind `stop_gradient`. A loss that depends on no example
   is analysed again with the captured tensors and constants of B rows (and fixed windows of B
   rows of them) taken for the batch, and refused if it still depends on none; else the rules'
   proofs in its graph take them for the batch too (`trace.data_from_constants`). In a step of one

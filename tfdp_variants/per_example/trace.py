@@ -896,17 +896,14 @@ def _mix_top_k(op: tf.Operation, ins: list[Info]) -> Optional[str]:
 
 
 def _mix_gather(op: tf.Operation, ins: list[Info]) -> Optional[str]:
-  """A gather along the batch axis of batched params reorders or copies examples; batched ids
-  into batched params pick rows by another example's values."""
+  """Batched ids into batched params pick rows by another example's values. A gather along the
+  batch axis by ids of no example (a permutation; a ragged argument's row gathers, as RaggedTile
+  does) is left to `_gather`, which cannot follow it: a loss reached through it is refused as
+  unproven (`self_check.refuse_in_loss`), unless a ragged argument's rows prove it."""
   params, ids = ins[:2]
   if not _batched(params) or _per_example_gather(op, ins):
     return None
-  if _batched(ids):
-    return _CROSSES
-  axis = 0 if op.type == "ResourceGather" else constant_value(op.inputs[2])
-  axis = None if axis is None else _norm(axis, _rank(op.inputs[0]))
-  return ("gathers along the batch axis (reorders or copies examples)" if axis in (
-      None, params.axis) and _several(op.inputs[0], params.axis) else None)
+  return _CROSSES if _batched(ids) else None
 
 
 def _mix_segments(op: tf.Operation, ins: list[Info]) -> Optional[str]:

@@ -61,7 +61,10 @@ def check_model_losses(model: keras.Model, data) -> None:
           "add_loss on inputs or activations): it mixes the examples, so no per-example clip "
           "bounds one example's influence through it. Remove it, or regularize the weights "
           "instead (kernel_regularizer, bias_regularizer, add_loss of the weights alone): the DP "
-          "optimizer adds their gradient after privatization.")
+          "optimizer adds their gradient after privatization. A mixture-of-experts "
+          "load-balancing loss over the batch (KerasHub's Mixtral and Qwen3-MoE add one in "
+          "training, even at coefficient 0) is one: train without it by making the MoE blocks' "
+          "add_loss a no-op before compile (docs/optimizers.md, 'KerasHub models and LoRA').")
 
 
 def model_losses_left(model: Optional[keras.Model]) -> list[tf.Tensor]:
