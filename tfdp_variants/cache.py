@@ -1,7 +1,7 @@
 """The state one step's stages leave for later ones, per graph or per model, in one place.
 
-Each is a weak-keyed dictionary: an entry lives as long as the graph (or model) it is of, and
-nothing here is tracked, saved or shared between graphs. A module that keeps such state keeps it
+Each is a weak-keyed dictionary or set: an entry lives as long as the graph (or model, layer) it
+is of, and nothing here is tracked, saved or shared between graphs; one process-wide count. A module that keeps such state keeps it
 here, named after what it holds, so that what flows between modules outside their arguments is
 listed in one file (BUILD_NOTES, "Architecture").
 """
@@ -21,3 +21,21 @@ REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graph -> {id(gradient): (weak reference to it, weak reference to its tape.gradient target)}
 # (`stack.keras3`'s wrapper of `tf.GradientTape.gradient`, checked by `remembered_loss`).
 TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {input structure (shapes, dtypes): the rules its synthetic-batch self-check passed with}
+# (`preflight`).
+PREFLIGHT_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The layers whose looped RNN cells run `per_example.recurrence`'s loops (`recurrence.enable`).
+RECURRENT_LOOPS: weakref.WeakSet = weakref.WeakSet()
+# graph -> {TensorList flow name: element dtype}: the lists a `recurrence` loop reads every row of.
+LISTS_READ_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Count:
+  """A count that only grows (read `value`)."""
+
+  def __init__(self):
+    self.value = 0
+
+
+# Training-mode calls of layers that mix examples, run eagerly, so far (`stack.eager_mixing`).
+EAGER_MIXING_CALLS = Count()

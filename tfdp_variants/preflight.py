@@ -18,16 +18,14 @@ or PyDataset input, strings) the in-step check stays, on the first batch.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
+from tfdp_variants import cache
 from tfdp_variants import per_example
 
-# model -> {input structure (shapes, dtypes): the rules it passed with}.
-_PASSED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _OURS = ("self-check failed", "examples are mixed by the model")  # The check's own errors.
 
 
@@ -84,8 +82,8 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
   if batch % microbatches or batch < 1:
     return None  # fit refuses this batch size itself.
   key = repr([(s.shape[1:], s.dtype) for s in tf.nest.flatten(specs) if s is not None])
-  if key in _PASSED.get(model, {}):
-    return _PASSED[model][key]
+  if key in cache.PREFLIGHT_PASSED.get(model, {}):
+    return cache.PREFLIGHT_PASSED[model][key]
   xs, ys, ws = (None if s is None else tf.nest.map_structure(lambda t: _synthetic(t, batch), s)
                 for s in specs)
 
@@ -113,7 +111,7 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
   finally:  # The model as the check found it: the first step draws what it would without it.
     for v, value in zip(state, saved):
       v.assign(value)
-  _PASSED.setdefault(model, {})[key] = rules[-1]
+  cache.PREFLIGHT_PASSED.setdefault(model, {})[key] = rules[-1]
   return rules[-1]
 
 

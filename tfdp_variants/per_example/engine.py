@@ -220,7 +220,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
   # A check that will run whatever rules the step takes makes its exact gradients first.
-  first = (self_check_lib.exact_first(mb_losses, loss, handles, variables, early=True)
+  first = (self_check_lib.exact_first(mb_losses, handles, variables, early=True)
            if self_check and checked_rules is None else None)
   grads = dict(zip((u.output.name for u in fast),
                    _gradients(tf.reduce_sum(mb_losses), [u.output for u in fast], forward,
@@ -243,7 +243,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
     return result
   dtypes = {mb_losses.dtype, *(u.output.dtype for u in fast)}
   if first is None:
-    first = self_check_lib.exact_first(mb_losses, loss, handles, variables, early=False)
+    first = self_check_lib.exact_first(mb_losses, handles, variables, early=False)
   return self_check_lib.guard(result, first, dtypes)
 
 

@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 # No public API gives a loop's unread list output another initial gradient than zeros.
 from tensorflow.python.ops import control_flow_state
 
+from tfdp_variants import cache
 from tfdp_variants.xla import in_xla
 
-_ENABLED: "weakref.WeakSet" = weakref.WeakSet()
-# Per graph, the names (and element dtypes) of the lists `_loop` reads every row of, once.
-_READ_WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _EMPTY_LISTS = threading.local()  # `lists_read_whole` is on in this thread.
 
 
@@ -60,12 +57,12 @@ def enable(model) -> None:
     [(2, 3, 16), (2, 4, 16)]
   """
   for layer in model._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
-    _ENABLED.add(layer)
+    cache.RECURRENT_LOOPS.add(layer)
 
 
 def enabled(layer) -> bool:
   """Whether `enable` reached `layer`."""
-  return layer in _ENABLED
+  return layer in cache.RECURRENT_LOOPS
 
 
 def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.Tensor:
@@ -103,7 +100,7 @@ def _loop(probes: list[tf.Tensor], states: list[tf.Tensor], kernels: list, cell:
   lists = lambda: tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   probes = [rows(p) for p in probes]
   sequence = None if sequence is None else rows(sequence)
-  _READ_WHOLE.setdefault(tf.compat.v1.get_default_graph(), {}).update(
+  cache.LISTS_READ_WHOLE.setdefault(tf.compat.v1.get_default_graph(), {}).update(
       {x.flow.name: x.dtype for x in [*probes, sequence] if x is not None})
   mask = None if mask is None else rows(mask)
   # Each product's own U (a kernel used twice enters twice): one use per loop input.
@@ -169,7 +166,7 @@ def _empty_or_zeros(zeros_like: Callable) -> Callable:
 
   def empty_or_zeros(op: tf.Operation, index: int) -> tf.Tensor:
     listed = op.inputs[index] if op.type in ("While", "StatelessWhile") else None
-    dtype = None if listed is None else _READ_WHOLE.get(op.graph, {}).get(listed.name)
+    dtype = None if listed is None else cache.LISTS_READ_WHOLE.get(op.graph, {}).get(listed.name)
     if dtype is None or not getattr(_EMPTY_LISTS, "on", False) or in_xla(op.graph):
       return zeros_like(op, index)
     out = op.outputs[index]

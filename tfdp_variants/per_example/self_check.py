@@ -4,11 +4,8 @@ The engine's result rests on proofs about the traced graph (row grouping, per-op
 vectorization (pfor); either can be wrong for a model nobody tested. So on the first step after
 each trace, `guard` compares, for the first and the last microbatch i, what the engine gives in the
 forms DP-SGD reads (g_i materialized, ||g_i||², a weighted sum Σ_m w_m g_m) with an exact gradient
-of microbatch i's loss: one `tf.gradients` each, no pfor, no rule. The same backward pass gives the
-gradient with respect to the data entering the step (function arguments, iterator outputs), which
-must vanish on the rows of every other microbatch: otherwise the model mixes examples (batch
-statistics) and per-example gradients are undefined. Either failure raises InvalidArgumentError
-naming the variables or the input.
+of microbatch i's loss: one `tf.gradients` each, no pfor, no rule. A mismatch raises
+InvalidArgumentError naming the variables.
 
 The check sits under two `tf.cond`s on a flag made at trace time: the first computes the exact
 gradients (its backward passes are built inside the cond's branch: `tf.gradients` follows captured
@@ -32,18 +29,16 @@ that each example's loss depends on its example alone, or finds the op that mixe
 closed over as constants) and raises naming it. A loss it cannot prove per example (an op without
 an axis rule, Python code, rows it cannot trace to the step's data) is refused too, naming the op
 where the analysis lost the examples (issue 38): a test on values cannot see mixing on integer
-ids. So every loss the engine accepts is proven, and the runtime half above (the gradient with
-respect to the step's inputs, for an unproven loss) no longer runs for any.
+ids. So every loss the engine accepts is proven before the runtime check above is built, and the
+runtime check compares gradients only.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 from typing import Iterator, Optional, Sequence
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
 # No public API makes a variable in a retrace.
@@ -119,8 +114,6 @@ UNKNOWN = ("Cannot prove that each example's loss depends on that example alone:
            "the step; pass each batch to the tf.function as an argument or iterate a "
            "tf.data.Dataset in it (a step that slices its batches from data it closes over must "
            "slice every input at one position, with a positive stride along axis 0).")
-# Per graph, the names of the per-example losses proven free of mixing (`refuse_in_loss`).
-_PROVEN: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
 
 
 def refuse_in_loss(loss: tf.Tensor) -> None:
@@ -136,7 +129,7 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
   proofs in its graph take them for the batch too (`trace.data_from_constants`). In a step of one
   example (`trace.one_example`) only values that variables carry from earlier steps mix
   examples: a reshape that drops the batch axis of size 1 leaves no trace of it, so ops after it
-  may look mixing. Every loss it lets through is recorded as proven.
+  may look mixing.
   """
   refuse_batch_statistics(trace.ancestors(loss))
   info, constants = trace.loss_info(loss), None
@@ -155,7 +148,6 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
     if not trace.per_example_rows(info):
       raise ValueError(UNKNOWN.format((info is None and trace.lost_at(loss, constants))
                                       or f"the loss {loss.name} ({info})"))
-  _PROVEN.setdefault(loss.graph, set()).add(loss.name)
 
 
 def refuse_in_backward(graph: tf.Graph) -> None:
@@ -165,18 +157,6 @@ def refuse_in_backward(graph: tf.Graph) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The runtime check.
-
-
-def data_inputs(graph: tf.Graph, batch_size: Optional[int]) -> list[tf.Tensor]:
-  """The float tensors that bring the batch into `graph`: iterator outputs and the function's
-  arguments; captured tensors only if there are neither (a step closing over its data)."""
-  captured = {t.name for t in getattr(graph, "internal_captures", ())}
-  data = [t for op in graph.get_operations() if op.type in trace.DATA_SOURCES for t in op.outputs]
-  data += [t for t in getattr(graph, "inputs", ()) if t.name not in captured]
-  if not data:
-    data = list(getattr(graph, "internal_captures", ()))
-  return [t for t in data if t.dtype.is_floating and t.shape.rank and (
-      batch_size is None or t.shape[0] in (None, batch_size))]
 
 
 @dataclasses.dataclass
@@ -254,116 +234,72 @@ def _relative_errors(values: tf.Tensor, q0: tf.Tensor, q1: tf.Tensor) -> tf.Tens
   return num / (den + 1e-30)
 
 
-def _leak(grad: tf.Tensor, i: tf.Tensor, m: tf.Tensor, batch: tf.Tensor) -> tuple[tf.Tensor, ...]:
-  """(gradient norm on other microbatches' rows, on microbatch i's rows, whether rows = batch)."""
-  rows = tf.shape(grad)[0]
-  valid = tf.equal(rows, batch)
-  per_mb = tf.maximum(batch // m, 1)
-  other = tf.logical_and(valid, tf.not_equal(tf.range(rows) // per_mb, i))
-  sq = tf.reduce_sum(tf.reshape(tf.square(tf.cast(grad, tf.float32)), [rows, -1]), axis=1)
-  zero = tf.zeros_like(sq)
-  return (tf.sqrt(tf.reduce_sum(tf.where(other, sq, zero))),
-          tf.sqrt(tf.reduce_sum(tf.where(other, zero, sq))), valid)
-
-
 def _fill(template: str, value: tf.Tensor) -> tf.Tensor:
   """`template.format(value)` for a string tensor (tf.strings.format would quote it)."""
   before, after = template.split("{}")
   return before + value + after
 
 
-def _exact(variables: list, mb_losses: tf.Tensor, sources: list[tf.Tensor], checked: list[int],
-           data: list[tf.Tensor], m: tf.Tensor, batch: tf.Tensor) -> tuple:
+def _exact(variables: list, mb_losses: tf.Tensor, sources: list[tf.Tensor],
+           checked: list[int]) -> list[list[tf.Tensor]]:
   """For microbatches 0 and M-1: the exact gradients of the `checked` variables (one
-  `tf.gradients` each, no pfor, no rule), and per data input the gradient norm on other
-  microbatches' rows, on its own rows, and whether the input has the batch's rows."""
-  exact, leaks, owns, valids = [], [], [], []
+  `tf.gradients` each, no pfor, no rule)."""
+  m = tf.shape(mb_losses)[0]
+  exact = []
   for i in (tf.constant(0), m - 1):
     # One backward pass at a time (the second waits for the first's results): the check's peak
     # memory is one backward pass beside the step's, not two.
-    with tf.control_dependencies([t for e in exact for t in e] + leaks):
-      grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked] + data)
+    with tf.control_dependencies([t for e in exact for t in e]):
+      grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked])
     exact.append([tf.zeros(variables[k].shape, variables[k].dtype) if g is None else
                   tf.reshape(tf.convert_to_tensor(g), variables[k].shape)
                   for k, g in zip(checked, grads_i)])
-    for g in grads_i[len(checked):]:
-      if g is None:  # The input does not reach the loss.
-        leak, own, valid = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
-      else:
-        leak, own, valid = _leak(tf.convert_to_tensor(g), i, m, batch)
-      leaks.append(leak)
-      owns.append(own)
-      valids.append(valid)
-  return exact, leaks, owns, valids
+  return exact
 
 
 def _check(grads: PerExampleGradients, first: "ExactFirst", rtol: float) -> tf.Tensor:
   """The check's status, after its assertions (none under XLA); built in the current (branch)
   graph. A non-finite step (_NOT_RUN) is checked again on the next step."""
   m = tf.cast(grads.num_microbatches, tf.int32)
-  checked, data, xla = first.checked, first.data, first.xla
+  checked, xla = first.checked, first.xla
   factors = {k: copy.copy(grads.factors[k]) for k in checked}  # Caches made here stay here.
   # The norms the step clips with, made outside the check (not made again here: a materialized
   # form would be, at the size of every per-example gradient).
   squared_norms = {k: grads.squared_norms()[k] for k in checked}
-  exact, leaks, owns, valids = first.values(grads.variables, m)
+  exact = first.values(grads.variables)
   q0, q1 = [tf.stack([_sq(g) for g in e] or [0.0]) for e in exact]  # Exact squared norms.
-  finite = tf.reduce_all(tf.math.is_finite(tf.concat([q0, q1, tf.stack(leaks + owns or [0.0])], 0)))
+  finite = tf.reduce_all(tf.math.is_finite(tf.concat([q0, q1], 0)))
   w = tf.one_hot(0, m) + 2 * tf.one_hot(m - 1, m)
   values = tf.stack([_engine_values(factors[k], squared_norms[k], e0, e1, w, m)
                      for k, e0, e1 in zip(checked, *exact)] or [tf.zeros(5)])
   error = _relative_errors(values, q0, q1)  # (variables, 5)
   bad = tf.logical_not(tf.reduce_all(error <= rtol, axis=1))
-  failures, mixed = [tf.reduce_any(bad)], None
-  if data:
-    n = len(data)
-    leak, own = tf.reshape(tf.stack(leaks), [2, n]), tf.reshape(tf.stack(owns), [2, n])
-    mixed = tf.reduce_any(tf.logical_not(leak <= 1e-6 * own), axis=0)
-    failures.append(tf.reduce_any(mixed))
-  status = tf.where(finite, tf.where(tf.reduce_any(tf.stack(failures)), _FAILED, _PASSED),
-                    _NOT_RUN)
+  status = tf.where(finite, tf.where(tf.reduce_any(bad), _FAILED, _PASSED), _NOT_RUN)
   if xla:  # XLA has no assertions, prints or strings: the status alone tells.
     return status
   worst = tf.reduce_max(tf.where(tf.math.is_nan(error), np.inf, error), axis=1)
-  asserts = _assertions(grads, checked, data, finite, bad, worst, mixed, valids)
+  asserts = _assertions(grads, checked, finite, bad, worst)
   with tf.control_dependencies(asserts):
     return tf.identity(status)
 
 
-def _assertions(grads: PerExampleGradients, checked: list[int], data: list[tf.Tensor],
-                finite: tf.Tensor, bad: tf.Tensor, worst: tf.Tensor, mixed: Optional[tf.Tensor],
-                valids: list[tf.Tensor]) -> list:
-  """The asserts that raise, naming the inputs that mix examples or the variables whose
-  per-example gradients are not exact (a non-finite step raises nothing: it is checked later)."""
-  passed = lambda failed: tf.logical_or(tf.logical_not(finite), tf.logical_not(failed))
-  asserts = []
-  if data:
-    inputs = tf.constant([f"the loss of a microbatch depends on the rows of other microbatches "
-                          f"in the input {t.name} of the step" for t in data])
-    asserts.append(tf.debugging.Assert(passed(tf.reduce_any(mixed)), [
-        _fill(MIXING, tf.strings.reduce_join(tf.boolean_mask(inputs, mixed), separator="; "))]))
-
-    def unchecked():
-      with tf.control_dependencies([tf.print(
-          "tfdp_variants self-check: no input of the step has the batch's size on axis 0; the "
-          "check for layers that mix examples did not run.")]):
-        return tf.constant(False)
-
-    asserts.append(tf.cond(tf.reduce_any(tf.stack(valids)), lambda: tf.constant(True), unchecked))
+def _assertions(grads: PerExampleGradients, checked: list[int], finite: tf.Tensor,
+                bad: tf.Tensor, worst: tf.Tensor) -> list:
+  """The assert that raises, naming the variables whose per-example gradients are not exact (a
+  non-finite step raises nothing: it is checked later)."""
+  passed = tf.logical_or(tf.logical_not(finite), tf.logical_not(tf.reduce_any(bad)))
   names = tf.constant([grads.variables[k].name for k in checked] or [""])
   mismatch = tf.strings.reduce_join(
       tf.boolean_mask(names, bad) + " (relative error " + tf.strings.as_string(
           tf.boolean_mask(worst, bad), precision=1, scientific=True) + ")", separator=", ")
-  with tf.control_dependencies(asserts):
-    asserts.append(tf.debugging.Assert(passed(tf.reduce_any(bad)), [_fill(MISMATCH, mismatch)]))
-  return asserts
+  return [tf.debugging.Assert(passed, [_fill(MISMATCH, mismatch)])]
 
 
 _NOT_RUN, _PASSED, _FAILED = 0, 1, 2
 XLA_FAILED = ("The per-example self-check failed under XLA (jit_compile), which cannot raise in "
-              "the step: the per-example gradients of this model were not exact, or it mixes "
-              "examples. Every update since has been NaN (no training, no leak). Train once with "
-              "jit_compile=False to see which variables or inputs failed.")
+              "the step: the per-example gradients of this model were not exact. Every update "
+              "since has been NaN (no training, no leak). Train once with jit_compile=False to "
+              "see which variables failed.")
 
 
 def failed(flag: tf.Variable) -> bool:
@@ -375,7 +311,7 @@ def failed(flag: tf.Variable) -> bool:
 @dataclasses.dataclass
 class ExactFirst:
   """The first half of a trace's check: its flag, whether this step runs the check (`runs`), and
-  the exact gradients of microbatches 0 and M-1 with the mixing measures (`_exact`).
+  the exact gradients of microbatches 0 and M-1 (`_exact`).
 
   Made by `exact_first` before the step's own backward pass, under a `tf.cond` of its own whose
   outputs the step's backward pass waits for (`token`): the check's two backward passes then run
@@ -389,10 +325,8 @@ class ExactFirst:
   flag: tf.Variable
   runs: tf.Tensor
   checked: list[int]
-  data: list[tf.Tensor]
   mb_losses: tf.Tensor
   sources: list
-  batch: tf.Tensor
   xla: bool
   outputs: Optional[list[tf.Tensor]] = None
 
@@ -401,25 +335,24 @@ class ExactFirst:
     """What the step's backward pass waits for: the first cond's outputs (none if made late)."""
     return self.outputs or []
 
-  def values(self, variables: list, m: tf.Tensor) -> tuple:
+  def values(self, variables: list) -> list[list[tf.Tensor]]:
     """`_exact`'s results: from the first cond's outputs, or made here (in `guard`'s branch)."""
     if self.outputs is None:
-      return _exact(variables, self.mb_losses, self.sources, self.checked, self.data, m,
-                    self.batch)
-    n, k = len(self.data), len(self.checked)
-    flat, rest = self.outputs[1:1 + 2 * k], self.outputs[1 + 2 * k:]
-    shaped = [tf.reshape(g, variables[j].shape) for g, j in zip(flat, self.checked * 2)]
-    return [shaped[:k], shaped[k:]], rest[:2 * n], rest[2 * n:4 * n], rest[4 * n:]
+      return _exact(variables, self.mb_losses, self.sources, self.checked)
+    k = len(self.checked)
+    shaped = [tf.reshape(g, variables[j].shape)
+              for g, j in zip(self.outputs[1:], self.checked * 2)]
+    return [shaped[:k], shaped[k:]]
 
 
-def exact_first(mb_losses: tf.Tensor, loss: tf.Tensor, sources: Sequence[Optional[tf.Tensor]],
-                variables: list, early: bool) -> ExactFirst:
+def exact_first(mb_losses: tf.Tensor, sources: Sequence[Optional[tf.Tensor]], variables: list,
+                early: bool) -> ExactFirst:
   """The check's flag and first half (`ExactFirst`), made `early` (before the step's backward
   pass: its own cond) where XLA is not compiling the graph, else left to `guard`.
 
   Args:
-    mb_losses: the (M,) microbatch losses the engine gives the Jacobian of.
-    loss: the per-example losses, (B, ...).
+    mb_losses: the (M,) microbatch losses the engine gives the Jacobian of (their examples
+      proven unmixed by `refuse_in_loss`).
     sources: per variable, the tensor `tf.gradients` differentiates for it (its captured handle),
       or None for a variable the check cannot differentiate (its gradient came from a tape).
     variables: the variables.
@@ -427,32 +360,22 @@ def exact_first(mb_losses: tf.Tensor, loss: tf.Tensor, sources: Sequence[Optiona
   """
   graph = mb_losses.graph
   xla = in_xla(graph)
-  proven = loss.name in _PROVEN.get(graph, ())
-  data = [] if proven else data_inputs(graph, loss.shape[0])
-  if not data and not proven:
-    logging.warning("Per-example self-check: no float input with the batch on axis 0 enters the "
-                    "traced step (%s), so the check for layers that mix examples cannot run; the "
-                    "gradient comparison still does.", graph.name)
   with tf.init_scope():  # A fresh flag per trace: every retrace is checked again.
     flag = resource_variable_ops.ResourceVariable(_NOT_RUN, trainable=False,
                                                   name="per_example_self_check")
   m = tf.shape(mb_losses)[0]
   # An empty batch (Poisson sampling) has no microbatch to check: it is checked on a later step.
   runs = tf.logical_and(tf.equal(flag.read_value(), _NOT_RUN), m > 0)
-  first = ExactFirst(flag, runs, [k for k, s in enumerate(sources) if s is not None], data,
-                     mb_losses, list(sources), tf.shape(loss)[0], xla)
+  first = ExactFirst(flag, runs, [k for k, s in enumerate(sources) if s is not None], mb_losses,
+                     list(sources), xla)
   if not early or xla:
     return first
 
   def run():
-    exact, leaks, owns, valids = first.values(variables, m)
-    return ([tf.constant(True)] + [tf.reshape(g, [-1]) for e in exact for g in e] + leaks + owns
-            + valids)
+    return [tf.constant(True)] + [tf.reshape(g, [-1]) for e in first.values(variables) for g in e]
 
   def skip():
-    n = len(data)
-    return ([tf.constant(True)] + [tf.zeros([0], variables[k].dtype) for k in first.checked * 2]
-            + [tf.constant(0.0)] * (4 * n) + [tf.constant(False)] * (2 * n))
+    return [tf.constant(True)] + [tf.zeros([0], variables[k].dtype) for k in first.checked * 2]
 
   first.outputs = tf.cond(runs, run, skip)
   return first

@@ -9,24 +9,22 @@ from typing import Callable
 
 import tensorflow as tf
 
+from tfdp_variants import cache
 from tfdp_variants import validation
 from tfdp_variants.stack.version import keras
-
-_calls = 0  # Training-mode calls of `validation.MIXING_LAYERS`, eagerly, so far.
 
 
 def eager_mixing_calls() -> int:
   """How many times a layer that mixes examples has run eagerly in training mode so far."""
-  return _calls
+  return cache.EAGER_MIXING_CALLS.value
 
 
 def _counting(call: Callable) -> Callable:
   @functools.wraps(call)
   def wrapper(self, inputs, *args, **kwargs):
-    global _calls
     training = kwargs.get("training", args[0] if args else None)
     if tf.executing_eagerly() and training:
-      _calls += 1
+      cache.EAGER_MIXING_CALLS.value += 1
     return call(self, inputs, *args, **kwargs)
   return wrapper
 
