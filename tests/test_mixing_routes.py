@@ -234,3 +234,26 @@ def test_python_code_refused_whatever_it_computes():
   model, _ = _model(_floats(doubled, "python"))
   with pytest.raises(ValueError, match="Cannot prove.*EagerPyFunc.*Python code"):
     _train("arguments", model, *_data(False))
+
+
+@pytest.mark.parametrize("route", ["captured_constants", "captured_variables"])
+def test_window_at_a_position_read_from_the_data_refused(route):
+  """A window sliced from captured data at a position computed from the data's values selects its
+  examples by their values (a release no ε covers): refused before any step. The same loop at a
+  counter's position trains (`test_same_ops_within_each_example_train_exactly`)."""
+  model, _ = _model(_controls)
+  x, y = _data(False)
+  weights, optimizer = model.get_weights(), _optimizer()
+  hold = tf.Variable if route == "captured_variables" else tf.constant
+  xs, ys = hold(x), hold(y)
+
+  @tf.function
+  def train():
+    for s in tf.range(STEPS):
+      start = s * B + tf.cast(tf.reduce_sum(xs[:, 0]) > 0.0, tf.int32)
+      _minimize(optimizer, model, xs[start:start + B], ys[start:start + B])
+
+  with pytest.raises(ValueError, match="Cannot prove that each example's loss"):
+    train()
+  for got, want in zip(model.get_weights(), weights):
+    np.testing.assert_array_equal(got, want)

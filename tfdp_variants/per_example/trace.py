@@ -550,21 +550,36 @@ def _per_example_gather(op: tf.Operation, ins: list[Info]) -> bool:
       ids.axis is None or (ids.axis == params.axis and not ids.block))
 
 
-def _position(t: tf.Tensor, info: Info, memo: dict) -> bool:
-  """Whether `t` (a slice's begin, end or strides) depends on no example's values: it does
-  (`info` NO_BATCH), or it is computed in integers of rank 0 or 1 from those and from scalar
-  integers the analysis does not follow (a loop's counter)."""
+# Ops whose outputs read no value of their inputs (sizes): a position computed from them reads no
+# example.
+_SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def _position(t: tf.Tensor) -> bool:
+  """Whether `t` (a slice's begin, end or strides) reads no value of the data: it is computed, in
+  scalars and short vectors, from constants, sizes, and scalars the step is given (a loop's counter,
+  an argument, a scalar variable such as `optimizer.iterations`), never from the value of a
+  tensor of rank 2 or more, a captured vector or a vector variable (a data set the step closes
+  over: a window whose position depends on the data selects its examples by their values).
+
+  What it cannot see: a loop's counter is loop state, whose updates the loop's body defines after
+  the step inside it is traced; one computed from the data of an earlier iteration passes."""
   stack, seen = [t], set()
   while stack:
     x = stack.pop()
-    if x.name in seen or (x is not t and memo.get(x.name) == NO_BATCH) or (
-        x is t and info == NO_BATCH):
+    if x.name in seen:
       continue
     seen.add(x.name)
-    if not x.dtype.is_integer or x.shape.rank is None or x.shape.rank > 1 or (
-        x.op.type == "Placeholder" and x.shape.rank):
+    op = x.op
+    if x.shape.rank is None or x.shape.rank > 1 or x.dtype in (tf.resource, tf.variant, tf.string):
       return False
-    stack.extend(x.op.inputs)
+    if op.type in _SHAPE_OF or op.type == "Const":
+      continue
+    if op.type in ("Placeholder", "ReadVariableOp"):
+      if x.shape.rank:  # A captured vector, a vector variable: values the analysis cannot place.
+        return False
+      continue
+    stack.extend(op.inputs)
   return True
 
 
@@ -580,7 +595,7 @@ def _window(op: tf.Operation, ins: list[Info], memo: dict) -> Optional[Batch]:
   position combine (the inputs and labels of one step); a window meets no other batch."""
   x, source = ins[0], op.inputs[0]
   if not isinstance(x, Batch) or x.block or x.axis not in (0, None) or not _rank(source) or not all(
-      _position(t, i, memo) for t, i in zip(op.inputs[1:], ins[1:])):
+      map(_position, op.inputs[1:])):
     return None
   begin = constant_value(op.inputs[1])
   if op.type == "Slice":
