@@ -18,8 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # The install and test commands `.ci/run` reads from README.md (the first line of each prefix).
 CI_PREFIXES = ("python3 -m venv .venv &&", ".venv/bin/python -m pytest",
-               "python3 -m venv .venv-tfkeras &&",
-               "TF_USE_LEGACY_KERAS=1 .venv-tfkeras/bin/python -m pytest",
+               ".venv/bin/pip install -e", "TF_USE_LEGACY_KERAS=1 .venv/bin/python -m pytest",
                "python3 -m venv .venv-tf215 &&", ".venv-tf215/bin/python -m pytest")
 BINARY = "-m tfdp_variants.train"
 
