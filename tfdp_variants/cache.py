@@ -21,3 +21,15 @@ REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graph -> {id(gradient): (weak reference to it, weak reference to its tape.gradient target)}
 # (`stack.keras3`'s wrapper of `tf.GradientTape.gradient`, checked by `remembered_loss`).
 TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# graph -> the batch size of a step that closes over its batch: its captured tensors and constants
+# of that many rows are data in the rules' proofs (`trace.data_from_constants`).
+CONSTANT_DATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# graph -> {analysis mode: {tensor name: info}}: `trace`'s memo of the batch-axis analyses.
+ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# graph -> names of the tensors the DP mechanism released (`trace.mark_released`, written by
+# `PrivateStep._release`): post-processing of a release mixes no example.
+RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (function, dtype, static shape) -> the structure of the function's graph (`graph.computes`): the
+# reference computations (a ragged argument's row ids) traced once; keyed by no graph, so a plain
+# dictionary of a few entries.
+REFERENCE_STRUCTURES: dict = {}
