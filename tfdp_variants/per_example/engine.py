@@ -57,7 +57,8 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
   """Exact per-microbatch gradients: a Jacobian of the microbatch losses.
 
   Vectorized with `tf.vectorized_map`, unless the forward pass holds an op that pfor converts
-  wrongly (an op whose `OpRule.pfor_wrong` says so, e.g. a grouped convolution): then one `tf.gradients` per microbatch
+  wrongly (its `OpRule.pfor_wrong` says so, e.g. a grouped convolution): then one `tf.gradients`
+  per microbatch
   in a while loop (exact, M backward passes).
   """
   sources = [G.captured_handle(graph, v) for v in variables]

@@ -11,8 +11,8 @@ read one block of its variable (a Split, Unpack or constant unit-stride StridedS
 `Slot`): its rule gives the block's factor as a variable's of the block's shape, and `join` puts
 the blocks in place.
 
-`pfor_unsafe` finds the ops whose `tf.vectorized_map` (pfor) conversion is wrong (`OpRule.pfor_wrong`,
-found by comparing vectorized Jacobians with a loop of `tf.gradients` over Keras' layers); a
+`pfor_unsafe` finds the ops whose `tf.vectorized_map` (pfor) conversion is wrong
+(`OpRule.pfor_wrong`, found by comparing vectorized Jacobians with a loop of `tf.gradients` over Keras' layers); a
 fallback whose backward pass meets one runs as a loop instead.
 """
 
@@ -270,10 +270,9 @@ _TRANSPOSABLE = frozenset({"matmul", "batch_matmul", "einsum"})
 class Use:
   """One op that uses a variable and has a per-example rule.
 
-  kind: a factor kind of the registry (`registry.FACTOR_ORDER`) ("matmul", "zero_matmul", "conv", "bias_add", "gather",
-  "gather_v2", ...); `op` the op; `output` the tensor whose gradient the rule needs (the op's
-  output, or a proving rule's probe); `sign` -1
-  when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
+  kind: a factor kind of the registry (`registry.FACTOR_ORDER`: "matmul", "zero_matmul", "conv",
+  "bias_add", "gather", "gather_v2", ...); `op` the op; `output` the tensor whose gradient the
+  rule needs (the op's output, or a proving rule's probe); `sign` -1 when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
   linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
   """
 

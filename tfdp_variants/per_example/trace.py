@@ -89,7 +89,7 @@ MERGED = ("merged",)  # `Batch.block` of an axis that interleaves the examples (
 
 RAGGED = ("ragged",)  # `Batch.block` of a ragged argument's flat values (then its splits' names).
 
-WINDOW = ("window",)  # `Batch.block` of a window of rows (`ops/layout.py`), then its position's key.
+WINDOW = ("window",)  # `Batch.block` of a window of rows (`ops/layout.py`), then its position.
 
 Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 # Why a product mixes examples (`Mixed.why`, the `OpRule.mix` of products and gathers).

@@ -1,7 +1,9 @@
-"""Rules for a weight broadcast against the examples: summed over the axes it is broadcast along.
+"""Broadcasts: BroadcastTo and Fill (a tensor of the batch size: an RNN's first state) move the
+batch axis; the rules of a weight broadcast against the examples sum over the axes it is broadcast
+along.
 
 `summed_rows` is the factor of every such weight: a normalization's scale, an attention bias
-(`rules`' "broadcast" rule, where the op broadcasts w itself), and a weight that a BroadcastTo or
+(the "broadcast" rule, where the op broadcasts w itself), and a weight that a BroadcastTo or
 Tile expands to the batch before its op ("expand"): KerasHub's `PositionEmbedding` broadcasts its
 table, cut to the sequence's length, to its input's shape; ViT and DeiT tile their class and
 distillation tokens over the batch and concatenate them with the patches. The expanded tensor z

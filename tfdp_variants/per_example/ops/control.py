@@ -112,7 +112,8 @@ def _while_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[
   else:
     return [None] * len(op.outputs)
   decided = _body(cond, state, memo)
-  if decided and isinstance(decided[0], trace.Mixed):  # How long it runs depends on several examples.
+  # How long it runs depends on several examples.
+  if decided and isinstance(decided[0], trace.Mixed):
     return [decided[0]] * len(op.outputs)
   return state
 

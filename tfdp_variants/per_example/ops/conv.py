@@ -1,4 +1,5 @@
-"""Per-example rules for the convolutions beyond `rules.py`'s Conv2D: depthwise, 3-D (grouped too),
+"""The convolutions, pools and resizes: their batch axis (axis 0 of the data kept), and the
+per-example rules of the kernels beyond Conv2D's (`conv2d.py`): depthwise, 3-D (grouped too),
 transposed, and dilated 2-D convs.
 
 Each rule reads the rows of one example from the patches of the op's data (`patches`, gathered

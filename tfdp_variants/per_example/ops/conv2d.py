@@ -109,7 +109,8 @@ def _groups(conv: tf.Operation, x: tf.Tensor) -> Optional[int]:
 
 def _match_conv(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
   spec = _conv_use(op, var_input)
-  if spec is None or trace.batch_axis(spec.x) != 0 or _groups(spec.conv, spec.conv.inputs[0]) is None:
+  if (spec is None or trace.batch_axis(spec.x) != 0
+      or _groups(spec.conv, spec.conv.inputs[0]) is None):
     return None
   return "conv"
 

@@ -15,7 +15,7 @@ from tfdp_variants.per_example.ops import registry
 FAMILY = registry.Family(__name__)
 
 
-ELEMENTWISE = (
+_ELEMENTWISE = (
     "Abs Add AddN AddV2 Ceil ClipByValue Cos Cosh DivNoNan Elu Equal Erf Erfc Exp Expm1 "
     "Floor FloorDiv FloorMod Gelu Greater GreaterEqual IsFinite IsNan LeakyRelu Less LessEqual Log "
     "Log1p LogicalAnd LogicalNot LogicalOr Maximum Minimum Mod Mul MulNoNan Neg NotEqual OnesLike "
@@ -25,7 +25,7 @@ ELEMENTWISE = (
 
 
 # Elementwise ops the layers above rarely emit but models may (issue 38): math, bitwise, string.
-ELEMENTWISE += (
+_ELEMENTWISE += (
     "Acos Acosh ApproximateEqual AsString Asin Asinh Atan Atan2 Atanh BesselI0e BesselI1e "
     "Betainc BitwiseAnd BitwiseOr BitwiseXor Digamma Erfinv Igamma Igammac Inv Invert IsInf "
     "LeftShift Lgamma Ndtri NextAfter Polygamma PopulationCount RegexReplace RightShift Rint "
@@ -61,7 +61,7 @@ def mix_broadcast(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
   return trace.CROSSES if len(axes) > 1 else None
 
 
-FAMILY.ops(ELEMENTWISE, axis=broadcast, mix=mix_broadcast, block_safe=True)
+FAMILY.ops(_ELEMENTWISE, axis=broadcast, mix=mix_broadcast, block_safe=True)
 FAMILY.ops(_SAME, axis=first, block_safe=True)
 FAMILY.ops(["Complex"], axis=broadcast)
 FAMILY.ops(["Real", "Imag", "ComplexAbs"], axis=first)

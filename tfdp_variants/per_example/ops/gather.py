@@ -33,7 +33,8 @@ def _gather(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
     axis = G.norm(axis, G.rank(op.inputs[0]))
     if axis is None or axis == params.axis:
       return None
-    return trace.Batch(params.axis if axis > params.axis else params.axis + G.rank(op.inputs[1]) - 1)
+    return trace.Batch(params.axis if axis > params.axis
+                       else params.axis + G.rank(op.inputs[1]) - 1)
   return None
 
 

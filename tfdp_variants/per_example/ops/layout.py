@@ -75,8 +75,8 @@ def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.
 
 
 def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
-  """A reshape x → y of a merged axis j (`trace.merged_sizes`) back into its sizes and the batch axis,
-  every other axis unchanged (only a split restoring it keeps the examples): they lie on the axis
+  """A reshape x → y of a merged axis j (`trace.merged_sizes`) back into its sizes and the batch
+  axis, every other axis unchanged (only a split restoring it keeps the examples): they lie on the axis
   after the sizes."""
   sizes, j = trace.merged_sizes(info), info.axis
   if (sizes is None or y.rank != x.rank + len(sizes) or not x[:j].is_fully_defined()
@@ -253,8 +253,8 @@ def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[tra
   block (`trace.WINDOW`) keys the position's computation (`G.structure`), so only windows at one
   position combine (the inputs and labels of one step); a window meets no other batch."""
   x, source = ins[0], op.inputs[0]
-  if not isinstance(x, trace.Batch) or x.block or x.axis not in (0, None) or not G.rank(source) or not all(
-      _position(t, i, memo) for t, i in zip(op.inputs[1:], ins[1:])):
+  if (not isinstance(x, trace.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
+      or not all(_position(t, i, memo) for t, i in zip(op.inputs[1:], ins[1:]))):
     return None
   begin = G.constant_value(op.inputs[1])
   if op.type == "Slice":

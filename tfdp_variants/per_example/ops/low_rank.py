@@ -115,7 +115,8 @@ def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
   g_B = s·Aᵀ·G = Σ_{t,q} (s·u_t·A_q)ᵀ v_{t,q}, A_q the rows of A of block q. An embedding
   table's G = Σ_t onehot(id_t) ⊗ v_t likewise: g_A gathers s·v_t·Bᵀ, g_B is an `Outer` of A's
   rows s·A[id_t]."""
-  inner = registry.factor_rules()[use.kind].factor(use.inner, grad, m, tf.TensorSpec(use.weight.shape, var.dtype))
+  inner = registry.factor_rules()[use.kind].factor(use.inner, grad, m,
+                                                    tf.TensorSpec(use.weight.shape, var.dtype))
   other = use.scale * tf.cast(use.other, var.dtype)  # s·B, (r, O), or s·A, (N, r).
   gathered = isinstance(inner, F.Gather)
   v, o = inner.d, use.width

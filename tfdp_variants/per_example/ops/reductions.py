@@ -129,8 +129,9 @@ def _mix_last_axis(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
 def _mix_roll(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
   axes = _axes_of(op, 2)
   x = ins[0]
-  return ("rolls along the batch axis (each example takes another's values)" if trace.batched(x) and (
-      axes is None or x.axis in axes) and G.several(op.inputs[0], x.axis) else None)
+  return ("rolls along the batch axis (each example takes another's values)"
+          if trace.batched(x) and (axes is None or x.axis in axes)
+          and G.several(op.inputs[0], x.axis) else None)
 
 
 def _mix_top_k(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
@@ -149,7 +150,8 @@ def _mix_segments(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
           else None)
 
 
-def _ragged_reduced(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+def _ragged_reduced(op: tf.Operation, ins: list[trace.Info],
+                    memo: dict) -> Optional[list[trace.Info]]:
   del memo
   reduced = _ragged_reduction(op, ins)
   return None if reduced is None else [reduced]

@@ -32,7 +32,8 @@ def _last_axes(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
 def _mix_last_axes(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
   """`_LAST_AXES` ops over the batch axis (an FFT across examples)."""
   x, rank = ins[0], G.rank(op.inputs[0])
-  return ("transforms the batch axis with others (a Fourier transform across examples)" if trace.batched(x) and rank is not None and x.axis >= rank - _LAST_AXES[op.type]
+  return ("transforms the batch axis with others (a Fourier transform across examples)"
+          if trace.batched(x) and rank is not None and x.axis >= rank - _LAST_AXES[op.type]
           and G.several(op.inputs[0], x.axis) else None)
 
 
