@@ -212,3 +212,25 @@ def test_each_keras_version_provides_the_hooks():
     defined = {node.name: [a.arg for a in node.args.args] for node in tree.body
                if isinstance(node, ast.FunctionDef)}
     assert {name: defined.get(name) for name in wanted} == wanted, version
+
+
+def test_an_op_no_family_registered_is_unknown():
+  """An op of no registry rule (MatrixDeterminant) makes a batched tensor's info unknown, and what
+  follows it too; on tensors of no example it depends on no example."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp_variants.per_example import trace  # pylint: disable=g-import-not-at-top
+  from tfdp_variants.per_example.ops import registry  # pylint: disable=g-import-not-at-top
+  assert registry.op_rule("MatrixDeterminant") is registry.NO_RULE
+  found = {}
+
+  @tf.function(autograph=False)
+  def step(x):
+    det = tf.linalg.det(x)
+    found.update(x=x, det=det, after=tf.exp(det), fixed=tf.linalg.det(tf.eye(3)))
+    return det
+
+  step.get_concrete_function(tf.TensorSpec([4, 3, 3]))
+  assert trace.batch_info(found["x"]) == trace.Batch(0)
+  assert trace.batch_info(found["det"]) is None
+  assert trace.batch_info(found["after"]) is None
+  assert trace.batch_info(found["fixed"]) == trace.NO_BATCH

@@ -22,14 +22,14 @@ import types
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 # The factor kinds, in the order `rules.match` tries them: the first rule that matches a use takes
-# it, and its kind is what the self-check and `preflight` record as the variable's rule. Where two
-# rules may match one use, the order decides which factor the variable gets: "matmul" before
-# "zero_matmul" (a MatMul of rows both batched and provably zero: an RNN's first state, a Fill of
-# the batch size), the rules of one op before the proving ones, which follow a variable beyond its
-# op ("loop_*" into a loop's body, "expand" through a broadcast to the batch, "low_rank" through a
-# product of two weights to another rule's use, so last: it asks the rules before it). This is the
-# order the table has always had; change it only with a test of the use both rules match.
-# `tests/test_architecture.py` checks that it lists every registered kind once.
+# it. Where two rules may match one use, the order decides which factor the variable gets:
+# "matmul" before "zero_matmul" (a MatMul of rows both batched and provably zero: an RNN's first
+# state, a Fill of the batch size), and the rules of one op before the proving ones, which follow
+# a variable beyond its op ("loop_*" into a loop's body, "expand" through a broadcast to the batch,
+# "low_rank" through a product of two weights to the use of their product, which it asks "matmul",
+# "batch_matmul" and "einsum" about). This is the order the rules' table has always had; change it
+# only with a test of a use both rules match. `tests/test_architecture.py` checks that it lists
+# every registered kind once.
 FACTOR_ORDER = ("matmul", "zero_matmul", "conv", "bias_add", "gather", "gather_v2", "broadcast",
                 "einsum", "batch_matmul", "depthwise", "conv3d", "conv_transpose",
                 "blocked_conv2d", "loop_matmul", "loop_conv", "expand", "low_rank")
