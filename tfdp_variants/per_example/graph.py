@@ -50,9 +50,7 @@ def read_outside(graph: tf.Graph, var: tf.Variable) -> bool:
 # The ops through which a step's data enters a graph (the one list the package keeps).
 DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
                           "MultiDeviceIteratorGetNextFromShard"})
-
 CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # Ops that call a function.
-
 
 
 def constant_value(t: tf.Tensor):

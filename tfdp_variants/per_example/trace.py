@@ -97,7 +97,6 @@ CONTRACTS = "contracts the batch axis (sums over examples)"
 CROSSES = "combines one example's values with another's"
 
 
-
 def merged_sizes(info: Info) -> Optional[tuple[int, ...]]:
   """The static sizes of the axes merged before the examples into `info`'s axis; None if `info`
   is not a merged axis or they are unknown."""
@@ -135,7 +134,6 @@ _ASSIGN_HOPS = 3  # v3 ← v2 ← v1 ← the batch is followed; a longer chain i
 # The rules' proofs: bodies followed (a looped RNN's outputs feed its Dense head), assigns not
 # (`loss_info` refuses those).
 _AXES: _Mode = (True, 0, None)
-
 
 
 def graph_memo(graph: tf.Graph, mode: _Mode) -> dict:
