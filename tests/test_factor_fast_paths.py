@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import engine_helpers
-from tfdp_variants.per_example import conv_rules
+from tfdp_variants.per_example.ops import conv as conv_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import gradients
 

@@ -99,7 +99,7 @@ ZOO = {
                                          L.Conv1D(4, 2, dilation_rate=2, padding="causal"),
                                          L.Conv1D(2, 3, padding="same"), L.Flatten(),
                                          L.Dense(2)), _floats(B, 12, 3),
-                            # Dilated Conv1D runs on SpaceToBatchND blocks (`conv_rules.py`).
+                            # Dilated Conv1D runs on SpaceToBatchND blocks (`ops/conv.py`).
                             ["outer", "rowsum"] * 4),
     "functional_two_inputs": (_two_inputs, [_floats(B, 6, 6, 2), _floats(B, 3)], None),
     "subclassed": (_Subclassed, _floats(B, 5, 5, 2), None),

@@ -351,16 +351,16 @@ def test_ragged_ids_pad_with_an_id_of_their_microbatch():
   """Padding rows of ragged ids repeat their microbatch's first id (0 for one without ids), so
   microbatches share no padding id in a Gram matrix by shared ids; padding rows of gradients are
   zeros. Two microbatches of 2 examples: rows [3, 5], [] | [5, 2, 7], [4]."""
-  from tfdp_variants.per_example import rules  # pylint: disable=import-outside-toplevel
+  from tfdp_variants.per_example.ops.rows import padded  # pylint: disable=import-outside-toplevel
   splits = [tf.constant([0, 2, 2, 5, 6], tf.int64)]
   ids = tf.constant([3, 5, 5, 2, 7, 4])
-  assert rules._padded(ids, splits, 2, ids=True).numpy().tolist() == [[3, 5, 3, 3], [5, 2, 7, 4]]
-  assert rules._padded(ids, splits, 4, ids=True).numpy().tolist() == [
+  assert padded(ids, splits, 2, ids=True).numpy().tolist() == [[3, 5, 3, 3], [5, 2, 7, 4]]
+  assert padded(ids, splits, 4, ids=True).numpy().tolist() == [
       [3, 5, 3], [0, 0, 0], [5, 2, 7], [4, 4, 4]]
-  rows = rules._padded(tf.ones([6, 2]), splits, 4).numpy()
+  rows = padded(tf.ones([6, 2]), splits, 4).numpy()
   np.testing.assert_array_equal(rows.sum(axis=(1, 2)), [4, 0, 6, 2])
   empty = [tf.constant([0], tf.int64)]  # A Poisson batch of no examples: m = 0.
-  assert rules._padded(tf.zeros([0], tf.int32), empty, 0, ids=True).shape[0] == 0
+  assert padded(tf.zeros([0], tf.int32), empty, 0, ids=True).shape[0] == 0
 
 
 def test_a_ragged_arguments_total_length_is_not_taken_for_a_constant():

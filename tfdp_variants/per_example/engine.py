@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfdp_variants import validation
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import graph as G
 from tfdp_variants.per_example import recurrence
 from tfdp_variants.per_example import rules
 from tfdp_variants.per_example.gradients import PerExampleGradients
@@ -56,10 +57,11 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
   """Exact per-microbatch gradients: a Jacobian of the microbatch losses.
 
   Vectorized with `tf.vectorized_map`, unless the forward pass holds an op that pfor converts
-  wrongly (`rules.PFOR_WRONG`, e.g. a grouped convolution): then one `tf.gradients` per microbatch
+  wrongly (its `OpRule.pfor_wrong` says so, e.g. a grouped convolution): then one `tf.gradients`
+  per microbatch
   in a while loop (exact, M backward passes).
   """
-  sources = [trace.captured_handle(graph, v) for v in variables]
+  sources = [G.captured_handle(graph, v) for v in variables]
 
   def one(i):
     grads = tf.gradients(tf.gather(mb_losses, i), sources)
@@ -81,7 +83,7 @@ def _unread(graph: tf.Graph, m: tf.Tensor, variables: Sequence[tf.Variable]) -> 
   Refused if a graph enclosing `graph` reads one: its value may then enter `graph` as data (a loop
   body, a nested function's argument), a dependence no graph at hand can rule out.
   """
-  outside = [v.name for v in variables if trace.read_outside(graph, v)]
+  outside = [v.name for v in variables if G.read_outside(graph, v)]
   if outside:
     raise ValueError(
         f"Cannot trace how the loss depends on {', '.join(outside)}: the graph of the loss "
@@ -212,7 +214,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   # trace; an empty batch of unknown size skips the check at run time (`self_check`).
   self_check = self_check and mb_losses.shape[0] != 0
   graph = mb_losses.graph
-  handles = [trace.captured_handle(graph, v) for v in variables]
+  handles = [G.captured_handle(graph, v) for v in variables]
   if trace.one_example(loss):
     return PerExampleGradients(variables, _one_example(mb_losses, graph, handles, variables),
                                m).finite_only()

@@ -29,12 +29,13 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tfdp_variants.per_example import conv_rules
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import graph as G
 from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.ops import conv
+from tfdp_variants.per_example.ops import registry
 
 _WHILES = frozenset({"While", "StatelessWhile"})
-_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # Ops that read no value (no gradient).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,19 +84,19 @@ def _invariant(body: tf.Graph, t: tf.Tensor) -> Optional[int]:
   """The loop-variable index of body input `t` if the body passes it through unchanged."""
   for i, p in enumerate(body.inputs):
     if p is t:
-      return i if trace.skip_identity(body.outputs[i]) is p else None
+      return i if G.skip_identity(body.outputs[i]) is p else None
   return None
 
 
 def _counter(loop: tf.Operation, body: tf.Graph, t: tf.Tensor) -> bool:
   """Whether body input `t` is 0 on entry and t + 1 after each iteration."""
   i = next((i for i, p in enumerate(body.inputs) if p is t), None)
-  if i is None or trace.constant_value(loop.inputs[i]) != 0:
+  if i is None or G.constant_value(loop.inputs[i]) != 0:
     return False
-  step = trace.skip_identity(body.outputs[i]).op
+  step = G.skip_identity(body.outputs[i]).op
   return step.type in ("AddV2", "Add") and (
-      (step.inputs[0] is t and trace.constant_value(step.inputs[1]) == 1)
-      or (step.inputs[1] is t and trace.constant_value(step.inputs[0]) == 1))
+      (step.inputs[0] is t and G.constant_value(step.inputs[1]) == 1)
+      or (step.inputs[1] is t and G.constant_value(step.inputs[0]) == 1))
 
 
 def _written_row(body: tf.Graph, a: tf.Tensor, t: tf.Tensor) -> Optional[int]:
@@ -105,7 +106,7 @@ def _written_row(body: tf.Graph, a: tf.Tensor, t: tf.Tensor) -> Optional[int]:
         or write.inputs[1] is not t):
       continue
     for i, p in enumerate(body.inputs):
-      if p is write.inputs[0] and trace.skip_identity(body.outputs[i]) is write.outputs[0]:
+      if p is write.inputs[0] and G.skip_identity(body.outputs[i]) is write.outputs[0]:
         return i
   return None
 
@@ -140,39 +141,39 @@ def _loop_product_use(loop: tf.Operation, var_input: tf.Tensor, forward: set[tf.
                       ) -> Optional[LoopProduct]:
   """The proven recurrent product of `var_input` in while loop `loop` (module docstring), an op
   that `product_rank` accepts (its operands' rank)."""
-  k = [i for i, t in enumerate(loop.inputs) if trace.same(t, var_input)]
-  body, cond = trace.function_graph(loop, "body"), trace.function_graph(loop, "cond")
+  k = [i for i, t in enumerate(loop.inputs) if G.same(t, var_input)]
+  body, cond = G.function_graph(loop, "body"), G.function_graph(loop, "cond")
   if (loop.type not in _WHILES or len(k) != 1 or body is None or cond is None
       or not len(body.inputs) == len(body.outputs) == len(loop.inputs) == len(cond.inputs)):
     return None
   live = _live_ops(loop, body, cond, forward)
   u = body.inputs[k[0]]
-  product = trace.only_use(u, live)
+  product = G.only_use(u, live)
   rank = None if product is None else product_rank(product)  # Checks the op type first.
   if (_invariant(body, u) is None or rank is None or product.inputs[1] is not u
       or product.inputs[0] is u):
     return None
   a, r = product.inputs[0], product.outputs[0]
-  add = trace.only_use(r, live)
+  add = G.only_use(r, live)
   if add is None or add.type not in ("AddV2", "Add") or sum(x is r for x in add.inputs) != 1:
     return None
   row = add.inputs[1] if add.inputs[0] is r else add.inputs[0]
   read = row.op
-  if (read.type != "TensorListGetItem" or trace.only_use(row, live) is not add
+  if (read.type != "TensorListGetItem" or G.only_use(row, live) is not add
       or row.shape.rank != rank or r.shape.rank != rank or a.shape.rank != rank
       or not row.shape.is_compatible_with(r.shape) or row.shape[-1] is None):
     return None
   rows, t = read.inputs[0], read.inputs[1]
   kq = _invariant(body, rows)
-  if kq is None or trace.only_use(rows, live) is not read or not _counter(loop, body, t):
+  if kq is None or G.only_use(rows, live) is not read or not _counter(loop, body, t):
     return None
   kl = _written_row(body, a, t)
   unstacked = loop.inputs[kq]
   probe = unstacked.op.inputs[0]
   if (kl is None or unstacked.op.type != "TensorListFromTensor"
-      or sum(trace.same(x, unstacked) for x in loop.inputs) != 1
+      or sum(G.same(x, unstacked) for x in loop.inputs) != 1
       or [c for c in unstacked.consumers() if c in forward] != [loop]
-      or [c for c in probe.consumers() if c in forward and c.type not in _SHAPES]
+      or [c for c in probe.consumers() if c in forward and c.type not in G.SHAPES]
       != [unstacked.op]
       or probe.shape.rank != rank + 1 or trace.batch_axis(probe) != 1
       or trace.batch_axis(loop.outputs[kl]) != 1):
@@ -190,10 +191,10 @@ def _example_major_source(probe: tf.Tensor, forward: set[tf.Operation]) -> Optio
   op = probe.op
   if op.type != "Transpose":
     return None
-  perm = trace.constant_value(op.inputs[1])
+  perm = G.constant_value(op.inputs[1])
   z = op.inputs[0]
   if (perm is None or list(perm) != [1, 0, *range(2, probe.shape.rank)]
-      or [c for c in z.consumers() if c in forward and c.type not in _SHAPES] != [op]
+      or [c for c in z.consumers() if c in forward and c.type not in G.SHAPES] != [op]
       or trace.batch_axis(z) != 0):
     return None
   return z
@@ -242,12 +243,19 @@ def _grad_rows(use: LoopProduct, grad: tf.Tensor) -> tf.Tensor:
 def loop_conv_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
                      var: tf.Variable) -> F.Factor:
   """g = Σ_t Σ_p patch(a_t)_pᵀ ∂L/∂q_{t,p} per example, patches by kernel offset
-  (`conv_rules.windowed_outer`) of the stacked list, in the product's unit strides and SAME
+  (`conv.windowed_outer`) of the stacked list, in the product's unit strides and SAME
   padding."""
   a = _stacked(use)
   frames = tf.reshape(a, [-1, *use.shape[1:]])  # (B·T, ·): each example's frames contiguous.
   d = tf.reshape(tf.cast(_grad_rows(use, grad), var.dtype), [m, -1, use.kernel[-1]])
   spatial = use.kernel.rank - 2
   windows = ([1] * spatial, [1] * spatial, "SAME")
-  return conv_rules.windowed_outer(frames, d, use.kernel[:-2].as_list(), windows, m, var.dtype,
+  return conv.windowed_outer(frames, d, use.kernel[:-2].as_list(), windows, m, var.dtype,
                                    1, tuple(var.shape))
+
+
+FAMILY = registry.Family(__name__)
+
+
+FAMILY.factor("loop_matmul", loop_matmul_use, loop_matmul_factor, proves=True)
+FAMILY.factor("loop_conv", loop_conv_use, loop_conv_factor, proves=True)

@@ -1,4 +1,5 @@
-"""Per-example rules for the convolutions beyond `rules.py`'s Conv2D: depthwise, 3-D (grouped too),
+"""The convolutions, pools and resizes: their batch axis (axis 0 of the data kept), and the
+per-example rules of the kernels beyond Conv2D's (`conv2d.py`): depthwise, 3-D (grouped too),
 transposed, and dilated 2-D convs.
 
 Each rule reads the rows of one example from the patches of the op's data (`patches`, gathered
@@ -36,7 +37,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import graph as G
 from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.ops import registry
 
 _TRANSPOSED = ("Conv2DBackpropInput", "Conv3DBackpropInputV2")
 _CHANNELS_LAST, _CHANNELS_FIRST = (b"NHWC", b"NDHWC"), (b"NCHW", b"NCDHW")
@@ -125,7 +128,7 @@ class Blocked:
 
 def blocked(out: tf.Tensor) -> Optional[tuple[tf.Operation, tf.Tensor]]:
   """If `out` is a BatchToSpaceND of constant block and crops, (that op, its input), else None."""
-  if out.op.type != "BatchToSpaceND" or None in map(trace.constant_value, out.op.inputs[1:]):
+  if out.op.type != "BatchToSpaceND" or None in map(G.constant_value, out.op.inputs[1:]):
     return None
   return out.op, out.op.inputs[0]
 
@@ -142,9 +145,9 @@ def unblocked(b2s: tf.Operation, data: tf.Tensor, conv: tf.Operation, x: tf.Tens
       or conv.get_attr("data_format") not in _CHANNELS_LAST + _CHANNELS_FIRST
       or any(v != 1 for v in conv.get_attr("strides") + conv.get_attr("dilations"))):
     return None
-  block, paddings = trace.constant_value(s2b.inputs[1]), trace.constant_value(s2b.inputs[2])
-  crops, first = trace.constant_value(b2s.inputs[2]), channels_first(conv)
-  if block is None or paddings is None or block != trace.constant_value(b2s.inputs[1]):
+  block, paddings = G.constant_value(s2b.inputs[1]), G.constant_value(s2b.inputs[2])
+  crops, first = G.constant_value(b2s.inputs[2]), channels_first(conv)
+  if block is None or paddings is None or block != G.constant_value(b2s.inputs[1]):
     return None
   if first:
     if block[0] != 1 or paddings[0] != [0, 0] or crops[0] != [0, 0]:
@@ -309,8 +312,8 @@ def _rows(t: tf.Tensor, m: tf.Tensor, dtype: tf.DType, blocks: int, *widths: int
 
 def _depthwise_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   """(blocks of the data, strides, dilations, padding), or None."""
-  if (op.type != "DepthwiseConv2dNative" or not trace.same(op.inputs[1], var_input)
-      or trace.same(op.inputs[0], var_input)):
+  if (op.type != "DepthwiseConv2dNative" or not G.same(op.inputs[1], var_input)
+      or G.same(op.inputs[0], var_input)):
     return None
   x, w = op.inputs[0], op.inputs[1]
   if not w.shape.is_fully_defined() or x.shape.rank != 4 or w.shape[2] != x.shape[-1]:
@@ -341,7 +344,7 @@ def depthwise_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 
 def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   """(blocks of the data, strides, dilations, padding) of an ungrouped Conv2D, or None."""
-  if op.type != "Conv2D" or not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
+  if op.type != "Conv2D" or not G.same(op.inputs[1], var_input) or G.same(op.inputs[0], var_input):
     return None
   x, w = op.inputs[0], op.inputs[1]
   if (not w.shape.is_fully_defined() or x.shape.rank != 4 or op.get_attr("explicit_paddings")
@@ -376,28 +379,28 @@ def _in_call(op: tf.Operation, var_input: tf.Tensor,
   """The `conv_type` op of a call of two inputs, the data and the kernel (a read of it, or the
   resource handle read in the body), whose body computes that op and nothing else, or that op on
   blocks (`Blocked`, a dilated grouped conv; then also its `Blocked`)."""
-  k = [i for i, t in enumerate(op.inputs) if trace.same(t, var_input)]
-  body = trace.function_graph(op)
+  k = [i for i, t in enumerate(op.inputs) if G.same(t, var_input)]
+  body = G.function_graph(op)
   if len(op.inputs) != 2 or len(k) != 1 or body is None or len(body.inputs) != 2:
     return None
   x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
-  out = trace.skip_identity(body.outputs[0])
+  out = G.skip_identity(body.outputs[0])
   b2s = blocked(out)
   conv = (out if b2s is None else b2s[1]).op
   if conv.type != conv_type:
     return None
-  w_path, path = trace.skip_identity(conv.inputs[1]), [conv]
+  w_path, path = G.skip_identity(conv.inputs[1]), [conv]
   if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
     path.append(w_path.op)
     w_path = w_path.op.inputs[0]
-  x_path, space = trace.skip_identity(conv.inputs[0]), None
+  x_path, space = G.skip_identity(conv.inputs[0]), None
   if b2s is not None:
     space = unblocked(b2s[0], x_path, conv, x_in, conv.inputs[1].shape[:-2].as_list())
     if space is None:
       return None
     path += [b2s[0], x_path.op]
     x_path = x_path.op.inputs[0]
-  if not (trace.same(x_path, x_in) and trace.same(w_path, w_in)):
+  if not (G.same(x_path, x_in) and G.same(w_path, w_in)):
     return None
   rest = [o for o in body.get_operations() if o not in path
           and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
@@ -410,15 +413,15 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   SpaceToBatchND, of an ungrouped op only."""
   space = None
   if op.type == "Conv3D":
-    if not trace.same(op.inputs[1], var_input) or trace.same(op.inputs[0], var_input):
+    if not G.same(op.inputs[1], var_input) or G.same(op.inputs[0], var_input):
       return None
     conv, x = op, op.inputs[0]
-  elif op.type in trace.CALLS:
+  elif op.type in G.CALLS:
     called = _in_call(op, var_input, "Conv3D")
     if called is None:
       return None
     conv, space = called
-    x = op.inputs[1 - [trace.same(t, var_input) for t in op.inputs].index(True)]
+    x = op.inputs[1 - [G.same(t, var_input) for t in op.inputs].index(True)]
   else:
     return None
   w, channels = conv.inputs[1], _last_shape(x.shape, channels_first(conv))[-1]
@@ -469,8 +472,8 @@ def _transposed_use(op: tf.Operation,
                     var_input: tf.Tensor) -> Optional[tuple[int, list[int], list[int], str]]:
   """y = the transposed conv of data z by a filter (…, C_y, C_z): the blocks of z (a dilated one's
   SpaceToBatchND, as Keras 2 dilates it) and the windows of the conv y ↦ z."""
-  if (op.type not in _TRANSPOSED or not trace.same(op.inputs[1], var_input)
-      or trace.same(op.inputs[2], var_input)):
+  if (op.type not in _TRANSPOSED or not G.same(op.inputs[1], var_input)
+      or G.same(op.inputs[2], var_input)):
     return None
   w, z, y, first = op.inputs[1], op.inputs[2], op.outputs[0], channels_first(op)
   if (not w.shape.is_fully_defined() or not y.shape.rank == z.shape.rank == w.shape.rank
@@ -499,3 +502,36 @@ def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   blocks, *windows = _transposed_use(op, w)
   return windowed_outer(dy, _rows(z, m, var.dtype, blocks, w.shape[-1]), w.shape[:-2], windows,
                         m, var.dtype, blocks, tuple(var.shape))
+
+
+FAMILY = registry.Family(__name__)
+
+
+def _spatial(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Convolution, pooling, resizing: axis 0 of the data input is kept, other inputs unbatched."""
+  data = 2 if "BackpropInput" in op.type else 0  # Conv*Transpose: (sizes, filter, dz).
+  if ins[data].axis == 0 and all(i.axis is None for j, i in enumerate(ins) if j != data):
+    return ins[data]
+  return None
+
+
+# Pooling, resizing and local response normalization: windows of one example, as a conv's.
+_POOLS_AND_RESIZES = ("MaxPool MaxPoolV2 MaxPool3D AvgPool AvgPool3D ResizeBilinear "
+                      "ResizeNearestNeighbor ResizeBicubic ResizeArea LRN").split()
+
+
+def _grouped(op: tf.Operation) -> bool:
+  """Whether a Conv2D or Conv3D is grouped: pfor gives a grouped conv's filter gradients a relative
+  error of about 1, and grouped Conv3D does not run (in Keras 3 they sit in jit-compiled call
+  bodies, which `rules.pfor_unsafe` searches), so the fallback loops instead."""
+  c = op.inputs[0].shape[1 if channels_first(op) else -1]
+  return c is None or c != op.inputs[1].shape[-2]
+
+
+FAMILY.ops(["Conv2D", "Conv3D"], axis=_spatial, block_safe=True, pfor_wrong=_grouped)
+FAMILY.ops(["DepthwiseConv2dNative", *_TRANSPOSED], axis=_spatial, block_safe=True)
+FAMILY.ops(_POOLS_AND_RESIZES, axis=_spatial)
+FAMILY.factor("depthwise", match_depthwise, depthwise_factor)
+FAMILY.factor("conv3d", match_conv3d, conv3d_factor)
+FAMILY.factor("conv_transpose", match_transposed, transposed_factor)
+FAMILY.factor("blocked_conv2d", match_blocked_conv2d, blocked_conv2d_factor)

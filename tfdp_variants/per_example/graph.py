@@ -1,0 +1,237 @@
+"""Walking traced graphs: captured handles, function bodies, ancestors, constant values.
+
+Helpers the analysis (`trace.py`) and the op families (`ops/`) share; nothing here knows an op's
+effect on the batch axis. `DATA_SOURCES` is the one list of the ops through which a step's data
+enters a graph.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import tensorflow as tf
+
+from tfdp_variants import cache
+
+def captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
+  """The tensor through which `graph` reads `var`'s resource handle; None if it does not read it.
+
+  A function graph captures the handle of each variable it reads: the eager handle itself, or the
+  placeholder through which an enclosing function graph sees it. A graph nested in a function (a
+  while-loop body: a step inside `tf.range` or a dataset loop, Keras' `steps_per_execution`; a
+  `tf.function` called from one: Keras' `jit_compile`, an inner step function) captures the eager
+  handle directly while it is traced, before its enclosing graph captures anything.
+  """
+  handle = var.handle
+  if getattr(handle, "graph", None) is graph:  # A variable created inside this graph.
+    return handle
+  seen_as = [handle]
+  outer = getattr(graph, "outer_graph", None)
+  if outer is not None and hasattr(outer, "captures"):
+    outer_handle = captured_handle(outer, var)
+    if outer_handle is not None:
+      seen_as.append(outer_handle)
+  for external, internal in getattr(graph, "captures", ()):
+    if any(external is h for h in seen_as):
+      return internal
+  return None
+
+
+def read_outside(graph: tf.Graph, var: tf.Variable) -> bool:
+  """Whether a graph enclosing `graph` reads `var` (whose value may then enter `graph` as data)."""
+  outer = getattr(graph, "outer_graph", None)
+  while outer is not None and hasattr(outer, "captures"):
+    if captured_handle(outer, var) is not None:
+      return True
+    outer = getattr(outer, "outer_graph", None)
+  return False
+
+
+# The ops through which a step's data enters a graph (the one list the package keeps).
+DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
+                          "MultiDeviceIteratorGetNextFromShard"})
+CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})  # Ops that call a function.
+SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # Ops that read no value of their input.
+
+
+def constant_value(t: tf.Tensor):
+  """`t`'s value as Python lists and numbers if the graph fixes it, else None."""
+  value = tf.get_static_value(t)
+  return None if value is None else value.tolist()
+
+
+def function_graph(op: tf.Operation, attr: str = "f") -> Optional[tf.Graph]:
+  """The body of the function that `op`'s attribute `attr` names (a call, loop or branch)."""
+  try:
+    name = op.get_attr(attr).name
+    return op.graph._get_function(name).graph  # pylint: disable=protected-access
+  except (AttributeError, ValueError, TypeError):
+    return None
+
+
+def same(a: tf.Tensor, b: tf.Tensor) -> bool:
+  """Whether `a` and `b` are the same graph tensor."""
+  return a.name == b.name
+
+
+def only_use(t: tf.Tensor, ops: set[tf.Operation]) -> Optional[tf.Operation]:
+  """The one op among `ops` that reads `t` (None if none or several do)."""
+  uses = [c for c in t.consumers() if c in ops]
+  return uses[0] if len(uses) == 1 else None
+
+
+def skip_identity(t: tf.Tensor) -> tf.Tensor:
+  """`t` before the Identity ops that copy it."""
+  while t.op.type == "Identity":
+    t = t.op.inputs[0]
+  return t
+
+
+def function_bodies(op: tf.Operation) -> list[Optional[tf.Graph]]:
+  """The bodies of the functions `op` calls (a call, a loop's cond and body, a branch), in its
+  attributes' order; None for one the graph cannot resolve."""
+  return [function_graph(op, name) for name, value in op.node_def.attr.items()
+          if value.HasField("func")]
+
+
+def nested_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
+  """The ops of `graph` and of every function body its ops call, however nested (each once)."""
+  graphs, seen = [graph], {graph.name}
+  while graphs:
+    for op in graphs.pop().get_operations():
+      yield op
+      for body in function_bodies(op):
+        if body is not None and body.name not in seen:
+          seen.add(body.name)
+          graphs.append(body)
+
+
+def rank(t: tf.Tensor) -> Optional[int]:
+  """`t`'s static rank (None if unknown)."""
+  return t.shape.rank
+
+
+def norm(axis: int, rank: Optional[int]) -> Optional[int]:  # pylint: disable=redefined-outer-name
+  """`axis` counted from the front of a tensor of `rank` axes (None if negative and unknown)."""
+  return axis if axis >= 0 else (None if rank is None else axis + rank)
+
+
+def several(t: tf.Tensor, axis: int) -> bool:
+  """Whether `axis` of `t` may hold several examples (it is not statically of size 1)."""
+  return t.shape.rank is None or t.shape[axis] != 1
+
+
+def rows_of(t: tf.Tensor, batch: Optional[int]) -> bool:
+  """Whether `t`, captured or constant, is taken for data in the constants mode: `batch` rows, and
+  rank 2 or more or floating (a rank-1 integer constant of that length is a shape, not data)."""
+  r = rank(t)
+  return batch is not None and bool(r) and t.shape[0] == batch and (r > 1 or t.dtype.is_floating)
+
+
+def reads_in_body(op: tf.Operation) -> bool:
+  """Whether `op` runs a function body (cond, loop) given a resource or variant, which its body
+  may read data from."""
+  return any(t.dtype in (tf.resource, tf.variant) for t in op.inputs) and any(
+      value.HasField("func") or (value.HasField("list") and value.list.func)
+      for value in op.node_def.attr.values())
+
+
+def tensor_named(graph: tf.Graph, name: str) -> Optional[tf.Tensor]:
+  try:
+    return graph.get_tensor_by_name(name)
+  except (KeyError, ValueError):
+    return None
+
+
+def structure(t: tf.Tensor, source: tf.Tensor, memo: dict) -> tuple:
+  """`t`'s computation from `source`: each op's type, attributes (constants' values included),
+  output index and inputs, down to `source`; any other placeholder is named, so it matches
+  nothing traced elsewhere."""
+  if t.name not in memo:
+    op = t.op
+    if same(t, source):
+      memo[t.name] = ("source",)
+    elif op.type == "Placeholder" or op.control_inputs:
+      memo[t.name] = ("other", t.graph, t.name)
+    else:
+      attrs = tuple(sorted((k, v.SerializeToString(deterministic=True))
+                           for k, v in op.node_def.attr.items() if not k.startswith("_")))
+      memo[t.name] = (op.type, t.value_index, attrs,
+                      tuple(structure(i, source, memo) for i in op.inputs))
+  return memo[t.name]
+
+
+def computes(t: tf.Tensor, fn: Callable[[tf.Tensor], tf.Tensor], source: tf.Tensor) -> bool:
+  """Whether `t` is `fn(source)`, computed by the same ops (types, attributes, constants and
+  wiring) as `fn` traced on an argument of `source`'s dtype and static shape: a proof for every
+  value of `source`, as sound as `fn` itself."""
+  key = (fn, source.dtype, tuple(source.shape.as_list()) if source.shape.rank is not None else None)
+  if key not in cache.REFERENCE_STRUCTURES:
+    graph = tf.function(fn, autograph=False).get_concrete_function(
+        tf.TensorSpec(source.shape, source.dtype)).graph
+    out = graph.outputs[0]
+    while out.op.type == "Identity":  # The function's own output identity.
+      out = out.op.inputs[0]
+    cache.REFERENCE_STRUCTURES[key] = structure(out, graph.inputs[0], {})
+  return structure(t, source, {}) == cache.REFERENCE_STRUCTURES[key]
+
+
+def capture_sources(graph: tf.Graph) -> dict[str, tf.Tensor]:
+  return {internal.name: external for external, internal in getattr(graph, "captures", ())
+          if isinstance(external, tf.Tensor) and hasattr(external, "op")}  # Symbolic only.
+
+
+def ancestors(t: tf.Tensor) -> Iterator[tf.Operation]:
+  """The ops `t` depends on, following captured tensors into enclosing graphs."""
+  seen, stack, captures = set(), [t.op], {}
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    yield op
+    if op.type == "Placeholder":
+      if op.graph not in captures:
+        captures[op.graph] = capture_sources(op.graph)
+      outer = captures[op.graph].get(op.outputs[0].name)
+      if outer is not None:
+        stack.append(outer.op)
+    stack.extend(x.op for x in op.inputs)
+
+
+def _data_entries(op: tf.Operation) -> Optional[list[tf.Tensor]]:
+  """The tensors through which `op` brings data into a step: a data source's outputs, or a
+  `FuncGraph`'s argument (not a capture, not a resource); None for a loop's or a branch's input,
+  whose rows are unknown here; [] for any other op."""
+  if op.type in DATA_SOURCES:
+    return list(op.outputs)
+  if op.type != "Placeholder" or op.outputs[0].dtype == tf.resource:
+    return []
+  graph = op.graph
+  if type(graph).__name__ != "FuncGraph":
+    return None
+  t = op.outputs[0]
+  captured = any(internal is t for _, internal in getattr(graph, "captures", ()))
+  return [] if captured or t.name not in {x.name for x in graph.inputs} else [t]
+
+
+def one_example(loss: tf.Tensor) -> bool:
+  """Whether the step of `loss` provably holds one example: `loss` has one static row, and every
+  tensor through which data enters the ops it depends on (`_data_entries`; at least one) has one
+  static row too, none of them a variant (an iterator, a ragged or sparse argument's encoding).
+  Keras traces such a step for `batch_size=1` or a dataset batched by 1 with `drop_remainder`."""
+  if loss.shape.rank is None or loss.shape.rank < 1 or loss.shape[0] != 1:
+    return False
+  entries = 0
+  for op in ancestors(loss):
+    found = _data_entries(op)
+    if found is None:
+      return False
+    for t in found:
+      if t.dtype == tf.variant or t.shape.rank is None:
+        return False
+      if t.shape.rank:  # Scalars (a step counter, a flag) hold no rows.
+        if t.shape[0] != 1:
+          return False
+        entries += 1
+  return entries > 0

@@ -1,0 +1,206 @@
+"""The ops whose outputs are not a function of their inputs' infos alone: where a step's data
+enters (arguments, captures, data sources, constants in the constants mode), sizes, calls and
+control flow (If, While, their bodies followed in the deep mode), TensorLists, Python code, and
+the assignments to variables (`trace._assigned` follows their values)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import graph as G
+from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.ops import registry
+
+
+FAMILY = registry.Family(__name__)
+
+
+def _placeholder(t: tf.Tensor, memo: dict) -> trace.Info:
+  """Base case: arguments of the step carry examples on axis 0, captures what they capture."""
+  if t.dtype == tf.resource:
+    return trace.NO_BATCH
+  graph = t.graph
+  for external, internal in getattr(graph, "captures", ()):
+    if internal is t:
+      if isinstance(external, tf.Tensor) and hasattr(external, "op"):  # Symbolic, outer graph.
+        return trace.analyse(external, trace.graph_memo(external.graph, memo["mode"]))
+      return trace.DATA if G.rows_of(t, memo["mode"][2]) else trace.NO_BATCH  # An eager constant.
+  if "args" not in memo:
+    memo["args"] = ({x.name for x in graph.inputs}, _composite_inputs(graph))
+  args, (composite, ragged) = memo["args"]
+  if t.name in ragged and type(graph).__name__ == "FuncGraph":
+    return ragged[t.name]
+  if (t.name not in args or t.name in composite or t.dtype == tf.variant
+      or type(graph).__name__ in ("WhileBodyFuncGraph", "WhileCondFuncGraph",
+                                  "CondBranchFuncGraph")):
+    return None  # Loop state, a branch input, a ragged or sparse component.
+  return trace.NO_BATCH if G.rank(t) == 0 else trace.DATA
+
+
+def _composite_inputs(graph: tf.Graph) -> tuple[set[str], dict[str, trace.Batch]]:
+  """Names of the placeholders holding components of composite arguments (ragged, sparse), and
+  the info of those that are a ragged argument's flat values: rows of examples that its row
+  splits (the components after the values, outermost first) partition."""
+  signature = getattr(graph, "structured_input_signature", None)
+  if signature is None:
+    return set(), {}
+  names, ragged, i = set(), {}, 0
+  for spec in tf.nest.flatten(signature, expand_composites=False):
+    n = len(tf.nest.flatten(spec, expand_composites=True)) if isinstance(
+        spec, tf.TypeSpec) else 1
+    if isinstance(spec, tf.TypeSpec) and not (isinstance(spec, tf.TensorSpec)
+                                              or _per_replica_dense(spec)):
+      parts = graph.inputs[i:i + n]
+      names.update(t.name for t in parts)
+      if (isinstance(spec, tf.RaggedTensorSpec) and spec.ragged_rank >= 1
+          and n == spec.ragged_rank + 1):
+        ragged[parts[0].name] = trace.Batch(0, (*trace.RAGGED, *(t.name for t in parts[1:])))
+    i += n
+  return names, ragged
+
+
+def _per_replica_dense(spec: tf.TypeSpec) -> bool:
+  """A tf.distribute per-replica value of dense tensors: one replica's batch part per component
+  (MirroredStrategy passes a step's data so), examples on axis 0 like any batch."""
+  return type(spec).__name__ == "PerReplicaSpec" and all(
+      type(c) is tf.TensorSpec for c in spec._component_specs)  # pylint: disable=protected-access
+
+
+def _decodes_data(op: tf.Operation) -> bool:
+  """Whether a RaggedTensorFromVariant decodes a ragged component that a data source yields (a
+  dataset's batch): its outermost rows are the examples, as a dense component's axis 0 is."""
+  return op.inputs[0].op.type in G.DATA_SOURCES
+
+
+def _body(graph: Optional[tf.Graph], ins: list[trace.Info], memo: dict,
+          outputs: Optional[list[tf.Tensor]] = None) -> Optional[list[trace.Info]]:
+  """The infos of a function body's outputs given its inputs' (None if it does not fit)."""
+  if graph is None or len(graph.inputs) != len(ins):
+    return None
+  sub = {"mode": memo["mode"], "seed": {p.name: i for p, i in zip(graph.inputs, ins)}}
+  return [trace.analyse(t, sub) for t in (graph.outputs if outputs is None else outputs)]
+
+
+def _call_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[trace.Info]:
+  """A call op's outputs: its function body analysed with the call's input axes."""
+  outs = _body(G.function_graph(op), ins, memo)
+  return [None] * len(op.outputs) if outs is None else outs
+
+
+def _if_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[trace.Info]:
+  if isinstance(ins[0], trace.Mixed):
+    return [ins[0]] * len(op.outputs)
+  branches = [_body(G.function_graph(op, a), ins[1:], memo) for a in ("then_branch", "else_branch")]
+  if None in branches:
+    return [None] * len(op.outputs)
+  return [trace.join(a, b) for a, b in zip(*branches)]
+
+
+def _while_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[trace.Info]:
+  """A fixed point over the loop variables: each iteration joins the body's outputs into them."""
+  body, cond, state = G.function_graph(op, "body"), G.function_graph(op, "cond"), list(ins)
+  for _ in range(8):
+    outs = _body(body, state, memo)
+    if outs is None or len(outs) != len(state):
+      return [None] * len(op.outputs)
+    new = [trace.join(a, b) for a, b in zip(state, outs)]
+    if new == state:
+      break
+    state = new
+  else:
+    return [None] * len(op.outputs)
+  decided = _body(cond, state, memo)
+  # How long it runs depends on several examples.
+  if decided and isinstance(decided[0], trace.Mixed):
+    return [decided[0]] * len(op.outputs)
+  return state
+
+
+def _tensor_list(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """TensorLists: a list's info is that of its stacked tensor (elements on axis 0)."""
+  if op.type == "TensorListFromTensor":
+    return ins[0] if ins[0].axis != 0 and not ins[0].block else None
+  if op.type == "TensorListGetItem":
+    items, index = ins[:2]
+    if index.axis is not None or items.block:
+      return None
+    return items if items.axis is None else trace.Batch(items.axis - 1)
+  if op.type == "TensorListSetItem":
+    items, index, item = ins[:3]
+    if index.axis is not None or item.block or items.block:
+      return None
+    return trace.join(items, item if item.axis is None else trace.Batch(item.axis + 1))
+  if op.type == "TensorListStack":
+    return ins[0]
+  return None
+
+
+_ASSIGNS = frozenset({
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "ResourceScatterUpdate",
+    "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterMul", "ResourceScatterDiv",
+    "ResourceScatterMin", "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
+    "ResourceScatterNdSub", "ResourceStridedSliceAssign"})
+
+
+_IFS = frozenset({"If", "StatelessIf"})
+
+
+_WHILES = frozenset({"While", "StatelessWhile"})
+
+
+# Ops that run Python code, which may read any data (a generator): their outputs are unknown.
+_OPAQUE = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+# Ops whose value does not depend on the data's values (shapes) or that start from nothing.
+_NO_BATCH_OPS = frozenset({"Rank", "Const", "VarHandleOp", "TensorListLength",
+                           "TensorListElementShape"})
+
+
+# Sizes, which depend on no example's values, except a ragged argument's rows: their count is the
+# examples' total length (other examples' lengths would reach each example's loss through it).
+_SIZES = frozenset({"Shape", "ShapeN", "Size"})
+
+
+def _ragged_batch(x: tf.Tensor, memo: dict) -> Optional[dict]:
+  """A ragged batch that Keras 2's `fit` reads from its dataset (`_decodes_data`): its values are
+  rows of examples that its splits partition; None for any other RaggedTensorFromVariant."""
+  del memo
+  op = x.op
+  if not _decodes_data(op):
+    return None
+  *splits, values = op.outputs
+  return {**{s.name: None for s in splits},
+          values.name: trace.Batch(0, (*trace.RAGGED, *(s.name for s in splits)))}
+
+
+def _sizes(op: tf.Operation, ins: list[trace.Info]) -> list[trace.Info]:
+  """Sizes depend on no example's values, except a ragged argument's rows: their count is the
+  examples' total length (other examples' lengths would reach each example's loss through it)."""
+  ragged = any(trace.is_ragged(i) for i in ins)
+  return [None if ragged else trace.NO_BATCH] * len(op.outputs)
+
+
+# The TensorList ops whose rows the deep mode follows (`_tensor_list`).
+_LISTS = ("TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListStack")
+
+
+FAMILY.ops(["Placeholder"], enter=lambda x, memo: {x.name: _placeholder(x, memo)})
+FAMILY.ops(G.DATA_SOURCES, enter=lambda x, memo: {
+    out.name: None if out.dtype == tf.variant else trace.DATA for out in x.op.outputs})
+FAMILY.ops(["RaggedTensorFromVariant"], enter=_ragged_batch)
+FAMILY.ops(["Const"], enter=lambda x, memo: {
+    x.name: trace.DATA if G.rows_of(x, memo["mode"][2]) else trace.NO_BATCH})
+FAMILY.ops(_NO_BATCH_OPS - {"Const"}, enter=lambda x, memo: {x.name: trace.NO_BATCH})
+FAMILY.ops(_SIZES, sizes=_sizes)
+FAMILY.ops(_IFS, deep=_if_outputs)
+FAMILY.ops(_WHILES, deep=_while_outputs)
+FAMILY.ops(G.CALLS, known=_call_outputs)
+FAMILY.ops(_OPAQUE, early=lambda op, ins, memo: [None] * len(op.outputs),
+           unknown_why="runs Python code, which may read any data (a generator) or mix examples")
+FAMILY.ops(["IdentityN"], outputs=lambda op, ins, memo: ins)
+FAMILY.ops(_LISTS, outputs=lambda op, ins, memo: [
+    _tensor_list(op, ins) if memo["mode"][0] else None] * len(op.outputs))
+FAMILY.ops(_ASSIGNS, writes=True)

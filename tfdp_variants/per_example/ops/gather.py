@@ -1,0 +1,119 @@
+"""Gathers (embeddings): rows of an unbatched table by batched ids, a non-batch axis, or within each
+example (batch_dims); ids of one example into another's rows cross them. The factor rules of an
+embedding table: gather (ResourceGather of the handle), gather_v2 (GatherV2 of a read)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import graph as G
+from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.ops import registry
+from tfdp_variants.per_example.ops import rows
+
+
+FAMILY = registry.Family(__name__)
+
+
+def _gather(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """GatherV2/ResourceGather: rows of an unbatched table by batched ids, or a non-batch axis."""
+  params, ids = ins[0], ins[1]
+  axis = 0 if op.type == "ResourceGather" else G.constant_value(op.inputs[2])
+  if _per_example_gather(op, ins):  # `tf.gather(..., batch_dims=k)` within each example.
+    return params
+  if op.get_attr("batch_dims") != 0 or axis is None:
+    return None
+  if params.axis is None and ids.axis is not None and G.rank(op.inputs[0]) is not None:
+    return trace.Batch(G.norm(axis, G.rank(op.inputs[0])) + ids.axis)
+  if ids.axis is None and params.axis is not None and G.rank(op.inputs[1]) is not None:
+    axis = G.norm(axis, G.rank(op.inputs[0]))
+    if axis is None or axis == params.axis:
+      return None
+    return trace.Batch(params.axis if axis > params.axis
+                       else params.axis + G.rank(op.inputs[1]) - 1)
+  return None
+
+
+def _per_example_gather(op: tf.Operation, ins: list[trace.Info]) -> bool:
+  """A gather with batch_dims whose params hold the examples on one of those axes, and whose ids
+  hold them on the same axis or depend on no example (Keras' `take_along_axis`: each example's
+  row of params gathers by its own row of ids)."""
+  dims, params, ids = op.get_attr("batch_dims"), ins[0], ins[1]
+  dims = G.norm(dims, G.rank(op.inputs[1])) if dims < 0 else dims
+  return bool(dims) and trace.batched(params) and not params.block and params.axis < dims and (
+      ids.axis is None or (ids.axis == params.axis and not ids.block))
+
+
+def _mix_gather(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+  """Batched ids into batched params pick rows by another example's values. A gather along the
+  batch axis by ids of no example (a permutation; a ragged argument's row gathers, as RaggedTile
+  does) is left to `_gather`, which cannot follow it: a loss reached through it is refused as
+  unproven (`self_check.refuse_in_loss`), unless a ragged argument's rows prove it."""
+  params, ids = ins[:2]
+  if not trace.batched(params) or _per_example_gather(op, ins):
+    return None
+  return trace.CROSSES if trace.batched(ids) else None
+
+
+def _one_hot(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  b, axis = ins[0].axis, op.get_attr("axis")
+  return ins[0] if axis == -1 or axis > b else trace.Batch(b + 1)
+
+
+def _match_gather(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  if (op.type != "ResourceGather" or not G.same(op.inputs[0], var_input)
+      or op.get_attr("batch_dims") != 0 or not _ids_batched(op.inputs[1])
+      or not op.inputs[0].dtype == tf.resource):
+    return None
+  return "gather"
+
+
+def _ids_batched(ids: tf.Tensor) -> bool:
+  """Whether an embedding's ids have their examples on a proven axis, or are a ragged argument's
+  rows with its splits."""
+  return trace.batch_axis(ids) is not None or rows.ragged_rows(ids) is not None
+
+
+def whole_read(t: tf.Tensor) -> bool:
+  """Whether `t` is the variable's value itself (a read, behind identities and casts only): rows
+  of `t` are then rows of the variable."""
+  while t.op.type in ("Identity", "Cast"):
+    t = t.op.inputs[0]
+  return t.op.type == "ReadVariableOp"
+
+
+def rows_gathered(op: tf.Operation, table: tf.Tensor) -> bool:
+  """Whether `op` is a GatherV2 of rows (axis 0) of `table` by ids with their examples on a proven
+  axis."""
+  return (op.type == "GatherV2" and G.same(op.inputs[0], table)
+          and not G.same(op.inputs[1], table) and op.get_attr("batch_dims") == 0
+          and G.constant_value(op.inputs[2]) == 0 and _ids_batched(op.inputs[1]))
+
+
+def _match_gather_v2(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+  """GatherV2 of a read (Keras 3's Embedding): rows (axis 0) of the table by ids."""
+  return "gather_v2" if rows_gathered(op, var_input) and whole_read(var_input) else None
+
+
+def _gather_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+  """ResourceGather/GatherV2 (Embedding): g = Σ_t onehot(id_t) ⊗ dz_t, a table row of any rank
+  per id; the ids' examples on any axis (the output's examples on the same), or the ids a ragged
+  argument's rows, padded per microbatch."""
+  width = math.prod(var.shape[1:])
+  splits = rows.ragged_rows(op.inputs[1])
+  if splits is not None:
+    return F.Gather(tf.reshape(rows.padded(op.inputs[1], splits, m, ids=True), [m, -1]),
+                    rows.rows(rows.padded(grad, splits, m), m, width, var.dtype), tuple(var.shape))
+  axis = trace.batch_axis(op.inputs[1])
+  return F.Gather(tf.reshape(rows.examples_first(op.inputs[1], axis), [m, -1]),
+                  rows.rows(rows.examples_first(grad, axis), m, width, var.dtype), tuple(var.shape))
+
+
+FAMILY.ops(["GatherV2", "ResourceGather"], axis=_gather, mix=_mix_gather, block_safe=True)
+FAMILY.ops(["OneHot"], axis=_one_hot)
+FAMILY.factor("gather", _match_gather, _gather_factor)
+FAMILY.factor("gather_v2", _match_gather_v2, _gather_factor)

@@ -1,0 +1,323 @@
+"""Layout ops: reshapes, transposes, slices (and windows of rows), concatenation, padding,
+tiling, stacking, and the SpaceToBatchND blocks of a dilated convolution."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+from tfdp_variants.per_example import graph as G
+from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.ops import registry
+
+
+FAMILY = registry.Family(__name__)
+
+
+def _without_units(shape: tf.TensorShape, keep: Optional[int] = None) -> tuple[tf.TensorShape,
+                                                                               list[int]]:
+  """`shape` without its static size-1 axes (but `keep`), and where each axis left came from."""
+  where = [i for i, d in enumerate(shape) if d != 1 or i == keep]
+  return tf.TensorShape([shape[i] for i in where]), where
+
+
+def _reshape(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """`_reshape_rows` of the window's rows, for a window (`_window`): it stays that window."""
+  if ins[0].block[:1] != trace.WINDOW:
+    return _reshape_rows(op, ins)
+  out = _reshape_rows(op, [dataclasses.replace(ins[0], block=())] + ins[1:])
+  return None if out is None or out.block else dataclasses.replace(out, block=ins[0].block)
+
+
+def _reshape_rows(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Reshape keeps an example-major leading axis: examples are contiguous blocks of the flat data.
+
+  Size-1 axes are dropped on both sides first (they move no element: LayerNormalization's
+  (1, B·T, K, 1), of (B, T, K) or time-major (T, B, K) data). The new leading axis holds whole
+  examples unless static shapes prove a row straddles two (the trailing sizes do not divide one
+  another); an axis after other non-unit axes is kept only when all axes up to it are unchanged,
+  or merged with the static axes before it (time-major rows, `trace.MERGED`) when all after it are.
+  """
+  if ins[1].axis is not None or op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
+    return None
+  x, from_x = _without_units(op.inputs[0].shape, ins[0].axis)
+  y, from_y = _without_units(op.outputs[0].shape)
+  info = dataclasses.replace(ins[0], axis=from_x.index(ins[0].axis))
+  if x.as_list() == y.as_list() and x.as_list().count(None) <= 1:  # Units added or dropped only.
+    out = info
+  else:
+    out = _unmerge(info, x, y) if info.block else _reshaped(info, x, y)
+  return out if out is None or out.axis is None else dataclasses.replace(out,
+                                                                         axis=from_y[out.axis])
+
+
+def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
+  """`_reshape` of unblocked data, neither shape holding a static size-1 axis but the batch."""
+  b = info.axis
+  if b == 0:
+    tail_x, tail_y = x[1:].num_elements(), y[1:].num_elements()
+    if y.rank == 0 or (tail_x is not None and tail_y is not None and tail_x % tail_y
+                       and tail_y % tail_x):
+      return None
+    return trace.Batch(0)
+  same = y.rank > b and all(
+      p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
+  if same:
+    return info
+  j = y.rank - (x.rank - b - 1) - 1  # Axes after the batch axis kept, those before merged into it.
+  if j >= 0 and x[:j].is_fully_defined() and (
+      x[:j] == y[:j] and x[b + 1:].is_fully_defined() and x[b + 1:] == y[j + 1:]):
+    sizes = tuple(x[j:b].as_list()) if x[j:b].is_fully_defined() else ()
+    return trace.Batch(j, trace.MERGED + sizes)
+  return None
+
+
+def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
+  """A reshape x → y of a merged axis j (`trace.merged_sizes`) back into its sizes and the batch
+  axis, every other axis unchanged (only a split restoring it keeps the examples): they lie on the axis
+  after the sizes."""
+  sizes, j = trace.merged_sizes(info), info.axis
+  if (sizes is None or y.rank != x.rank + len(sizes) or not x[:j].is_fully_defined()
+      or not x[j + 1:].is_fully_defined()):
+    return None
+  k = j + len(sizes)
+  if (y[:j].as_list() == x[:j].as_list() and tuple(y[j:k].as_list()) == sizes
+      and y[k + 1:].as_list() == x[j + 1:].as_list()):
+    return trace.Batch(k)
+  return None
+
+
+def _transpose(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  perm = G.constant_value(op.inputs[1])
+  return None if perm is None or ins[1].axis is not None else trace.Batch(perm.index(ins[0].axis))
+
+
+def _expand_dims(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  d, rank = G.constant_value(op.inputs[1]), G.rank(op.inputs[0])
+  if d is None or rank is None:
+    return None
+  d = d[0] if isinstance(d, list) else d
+  return trace.Batch(ins[0].axis + (G.norm(d, rank + 1) <= ins[0].axis))
+
+
+def _squeeze(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  b = ins[0].axis
+  dims = [G.norm(d, G.rank(op.inputs[0])) for d in op.get_attr("squeeze_dims")]
+  if not dims or None in dims or b in dims:
+    return None
+  return trace.Batch(b - sum(d < b for d in dims))
+
+
+def _pack(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Stack along a new axis p: batched inputs must agree; the batch axis shifts if p ≤ it."""
+  axes = {i.axis for i in ins if i.axis is not None}
+  if len(axes) != 1 or G.rank(op.inputs[0]) is None:
+    return None
+  b = axes.pop()
+  p = G.norm(op.get_attr("axis"), G.rank(op.inputs[0]) + 1)
+  return trace.Batch(b + (p <= b))
+
+
+def _unpack(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  b, a = ins[0].axis, G.norm(op.get_attr("axis"), G.rank(op.inputs[0]))
+  return None if a is None or a == b else trace.Batch(b - (a < b))
+
+
+def _concat(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """ConcatV2 along a non-batch axis of inputs that agree on the batch axis."""
+  axis, rank = G.constant_value(op.inputs[-1]), G.rank(op.outputs[0])
+  axes = {i.axis for i in ins[:-1] if i.axis is not None}
+  if axis is None or rank is None or len(axes) != 1 or G.norm(axis, rank) in axes:
+    return None
+  return trace.Batch(axes.pop())
+
+
+def _split(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Split (axis first) / SplitV (axis last) along a non-batch axis."""
+  axis_t, data = (op.inputs[0], 1) if op.type == "Split" else (op.inputs[2], 0)
+  axis = G.constant_value(axis_t)
+  if axis is None or G.norm(axis, G.rank(op.inputs[data])) == ins[data].axis:
+    return None
+  return ins[data]
+
+
+def _strided_slice(op: tf.Operation, ins: list[trace.Info], window: bool = False) -> trace.Info:
+  """Whole along the batch axis (stride 1, not shrunk; a `window` any positive stride). Walking the
+  slice's entries: a new axis (`x[:, None]`, Keras 2's attention mask) adds an output axis, a
+  shrunk one removes an input axis."""
+  b, strides = ins[0].axis, G.constant_value(op.inputs[3])
+  bit = lambda name, i: op.get_attr(name) >> i & 1
+  if op.get_attr("ellipsis_mask") or strides is None:
+    return None
+  a = o = 0  # The input and output axes the next entry meets.
+  for i, stride in enumerate(strides):
+    if bit("new_axis_mask", i):
+      o += 1
+    elif a == b:
+      whole = (window and stride > 0) or (bit("begin_mask", i) and bit("end_mask", i)
+                                           and stride == 1)
+      return trace.Batch(o) if whole and not bit("shrink_axis_mask", i) else None
+    else:
+      a, o = a + 1, o + (0 if bit("shrink_axis_mask", i) else 1)
+  return trace.Batch(o + b - a)
+
+
+def _ellipsis_slice(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """StridedSlice, an ellipsis (`x[..., None]`, Gemma's attention) expanded to the whole axes it
+  stands for, then walked as `_strided_slice` walks its entries."""
+  if not op.get_attr("ellipsis_mask"):
+    return _strided_slice(op, ins)
+  strides, rank = G.constant_value(op.inputs[3]), G.rank(op.inputs[0])
+  bits = {name: op.get_attr(f"{name}_mask") for name in ("begin", "end", "shrink_axis",
+                                                         "new_axis", "ellipsis")}
+  if strides is None or rank is None or bin(bits["ellipsis"]).count("1") != 1:
+    return None
+  bit = lambda name, i: bits[name] >> i & 1
+  spans = rank - sum(1 for i in range(len(strides)) if not (bit("new_axis", i)
+                                                            or bit("ellipsis", i)))
+  entries = []  # (whole, shrunk, new) of each entry, the ellipsis as `spans` whole axes.
+  for i, stride in enumerate(strides):
+    if bit("ellipsis", i):
+      entries += [(True, False, False)] * spans
+    else:
+      entries.append((bit("begin", i) and bit("end", i) and stride == 1, bit("shrink_axis", i),
+                      bit("new_axis", i)))
+  b, a, o = ins[0].axis, 0, 0
+  for whole, shrunk, new in entries:
+    if new:
+      o += 1
+    elif a == b:
+      return trace.Batch(o) if whole and not shrunk else None
+    else:
+      a, o = a + 1, o + (0 if shrunk else 1)
+  return trace.Batch(o + b - a)
+
+
+def _slice(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Whole along the batch axis; the other axes' begins and sizes may be computed (a random crop)."""
+  begin = tf.get_static_value(op.inputs[1], partial=True)
+  size = tf.get_static_value(op.inputs[2], partial=True)
+  b = ins[0].axis
+  return ins[0] if (begin is not None and size is not None and ins[1].axis is None
+                    and ins[2].axis is None and begin[b] == 0 and size[b] == -1) else None
+
+
+def _pad(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  pads = G.constant_value(op.inputs[1])
+  return ins[0] if pads is not None and pads[ins[0].axis] == [0, 0] else None
+
+
+def _reverse(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """ReverseV2 along non-batch axes (a backward RNN's time axis); along the batch axis it would
+  reorder the examples."""
+  axes, rank = G.constant_value(op.inputs[1]), G.rank(op.inputs[0])
+  if axes is None or rank is None or ins[1].axis is not None:
+    return None
+  return None if ins[0].axis in [G.norm(a, rank) for a in axes] else ins[0]
+
+
+def _tile(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Tile keeps the batch axis where its multiple there is 1; the other multiples need not be
+  static (`keras.ops.repeat`, which GroupQueryAttention's heads take, packs a computed one)."""
+  multiples = tf.get_static_value(op.inputs[1], partial=True)
+  if multiples is None or ins[1].axis is not None:
+    return None
+  return ins[0] if multiples[ins[0].axis] == 1 else None
+
+
+def _position(t: tf.Tensor) -> bool:
+  """Whether `t` (a slice's begin, end or strides) reads no value of the data: it is computed, in
+  scalars and short vectors, from constants, sizes, and scalars the step is given (a loop's counter,
+  an argument, a scalar variable such as `optimizer.iterations`), never from the value of a
+  tensor of rank 2 or more, a captured vector or a vector variable (a data set the step closes
+  over: a window whose position depends on the data selects its examples by their values).
+
+  What it cannot see: a loop's counter is loop state, whose updates the loop's body defines after
+  the step inside it is traced; one computed from the data of an earlier iteration passes."""
+  stack, seen = [t], set()
+  while stack:
+    x = stack.pop()
+    if x.name in seen:
+      continue
+    seen.add(x.name)
+    op = x.op
+    if x.shape.rank is None or x.shape.rank > 1 or x.dtype in (tf.resource, tf.variant, tf.string):
+      return False
+    if op.type in G.SHAPES or op.type == "Const":
+      continue
+    if op.type in ("Placeholder", "ReadVariableOp"):
+      if x.shape.rank:  # A captured vector, a vector variable: values the analysis cannot place.
+        return False
+      continue
+    stack.extend(op.inputs)
+  return True
+
+
+def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[trace.Batch]:
+  """A window of rows, each one example's: a slice along axis 0 (positive stride, not shrunk) of
+  the batch or of a tensor that depends on no example (a data set the step closes over, as a
+  constant or a variable, sliced by a loop's counter, or in `loss_info`'s constants mode by the
+  batch's static size), at a position that depends on no example's values (`_position`). Its
+  block (`trace.WINDOW`) keys the position's computation (`G.structure`), so only windows at one
+  position combine (the inputs and labels of one step); a window meets no other batch."""
+  x, source = ins[0], op.inputs[0]
+  if (not isinstance(x, trace.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
+      or not all(map(_position, op.inputs[1:]))):
+    return None
+  begin = G.constant_value(op.inputs[1])
+  if op.type == "Slice":
+    size = G.constant_value(op.inputs[2])
+    out = None if begin is not None and size is not None and (begin[0], size[0]) == (0, -1) else (
+        trace.Batch(0))
+    masks = ()
+  else:
+    masks = tuple(op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                           "new_axis_mask", "shrink_axis_mask"))
+    whole = _strided_slice(op, [trace.Batch(0)] + ins[1:])
+    out = None if whole is not None or masks[3] & 1 else _strided_slice(
+        op, [trace.Batch(0)] + ins[1:], window=True)
+  if out is None or out.axis != 0:
+    return None
+  if x.axis is None and begin is not None and not G.rows_of(op.outputs[0], memo["mode"][2]):
+    return None  # A fixed slice of weights or constants, not of data.
+  key = (op.type, masks, tuple(G.structure(t, source, {}) for t in op.inputs[1:]))
+  return trace.Batch(0, (*trace.WINDOW, key))
+
+
+def _space_to_batch(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  block = G.constant_value(op.inputs[1])
+  if ins[0].axis != 0 or ins[0].block or block is None or any(i.axis is not None for i in ins[1:]):
+    return None
+  return trace.Batch(0, tuple(block))
+
+
+def _batch_to_space(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  block = G.constant_value(op.inputs[1])
+  if ins[0].axis != 0 or block is None or ins[0].block != tuple(block) or any(
+      i.axis is not None for i in ins[1:]):
+    return None
+  return trace.Batch(0)
+
+
+def _windowed(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+  window = _window(op, ins, memo)
+  return None if window is None else [window]
+
+
+FAMILY.ops(["Reshape"], axis=_reshape, own_blocks=True)
+FAMILY.ops(["Transpose"], axis=_transpose)
+FAMILY.ops(["ExpandDims"], axis=_expand_dims, block_safe=True)
+FAMILY.ops(["Squeeze"], axis=_squeeze, block_safe=True)
+FAMILY.ops(["Pack"], axis=_pack)
+FAMILY.ops(["Unpack"], axis=_unpack)
+FAMILY.ops(["ConcatV2"], axis=_concat)
+FAMILY.ops(["Split", "SplitV"], axis=_split)
+FAMILY.ops(["StridedSlice"], axis=_ellipsis_slice, early=_windowed)
+FAMILY.ops(["Slice"], axis=_slice, early=_windowed)
+FAMILY.ops(["Pad", "PadV2", "MirrorPad"], axis=_pad)
+FAMILY.ops(["Tile"], axis=_tile)
+FAMILY.ops(["ReverseV2"], axis=_reverse)
+FAMILY.ops(["SpaceToBatchND"], axis=_space_to_batch)
+FAMILY.ops(["BatchToSpaceND"], axis=_batch_to_space, block_safe=True, own_blocks=True)
