@@ -16,19 +16,24 @@ Models (KerasHub 0.32 tasks built from a config: random weights, no download; sy
 
 Size (flags): `--num_layers=4 --hidden_dim=256 --intermediate_dim=1024 --sequence_length=128
 --batch=32`, heads of 64 dimensions, a vocabulary of 1,000 tokens (`--vocabulary_size`; the
-logits' size grows with it). Shrink them for a quick run, e.g. `--num_layers=2 --hidden_dim=64
---intermediate_dim=128 --sequence_length=32`.
+logits' size grows with it). `--quick`: every model at 1 layer, hidden 64, intermediate 128,
+sequence 16, batch 4, 2 timed steps (a smoke test of the script and of the rules column).
 
-Rows are `bench/step_time.py`'s (its optimizers, hyperparameters, timing and peak-memory
-measurement: `--steps` timed steps of `train_on_batch` after `--warmup`, one example per
-microbatch), each (model, row) in a fresh process; the targets are issue 40's (DPAdam ≤ 1.3×
+Rows are `bench/step_time.py`'s (its optimizers and hyperparameters, one example per microbatch),
+each (model, row) in its own process, which builds the model, runs its first step (tracing and the
+engine's self-check, timed alone) and `--warmup` - 1 more, then waits; once every row of a model
+is ready, they take turns: one `train_on_batch` step of each row, `--steps` rounds, and each
+row's median step is reported (interleaved, so the shared machine's changing load reaches the
+rows alike), with the process's peak RSS (TF's CPU allocator keeps no peak statistic:
+`tf.config.experimental.get_memory_info("CPU:0")` reads 0). The targets are issue 40's (DPAdam ≤ 1.3×
 non-private, NoisyGradientAdam AC and TanhFilterAdam ≤ 3×, peak memory ≤ 1.5×). `--only` adds
-any other row of step_time.py (e.g. `dpadam_xla`). A KerasHub task is wrapped in a one-layer
+any other row of step_time.py (e.g. `--only=dpadam,nonprivate_xla,dpadam_xla`: XLA rows, not
+run by default). A KerasHub task is wrapped in a one-layer
 Sequential so that step_time's row builders take it; that adds no computation.
 
   python bench/keras_hub_step_time.py [--hub_models=gpt2,bert,...] [--only=dpadam,...] [--steps=10]
       [--num_layers=4] [--hidden_dim=256] [--intermediate_dim=1024] [--sequence_length=128]
-      [--batch=32] [--vocabulary_size=1000] [--warmup=3]
+      [--batch=32] [--vocabulary_size=1000] [--warmup=3] [--quick]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import time
 from typing import Callable, NamedTuple
 
 from absl import app
@@ -159,6 +165,10 @@ _VOCABULARY = flags.DEFINE_integer("vocabulary_size", 1000, "Token vocabulary.")
 _BATCH_HUB = flags.DEFINE_integer("batch", 32, "Examples per step.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps before the timed ones (the first "
                                "traces and runs the self-check).")
+_QUICK = flags.DEFINE_bool("quick", False, "A smoke test: every model at 1 layer, hidden 64, "
+                           "intermediate 128, sequence 16, batch 4; 2 timed steps after 1.")
+QUICK = dict(num_layers=1, hidden_dim=64, intermediate_dim=128, sequence_length=16, batch=4,
+             steps=2, warmup=1)
 
 
 def _workload(name: str, size: Size, b: int) -> step_time.Workload:
@@ -168,19 +178,71 @@ def _workload(name: str, size: Size, b: int) -> step_time.Workload:
                             lambda rng, n: model.data(size, rng, n), b)
 
 
-def _time(name: str, row_key: str, size: Size, b: int, steps: int, warmup: int) -> dict:
-  """In a fresh process: step_time's `time_row` of one row on one model."""
-  return step_time.time_row(step_time._row(row_key), _workload(name, size, b), b,  # pylint: disable=protected-access
-                            steps, warmup)
+def _child(conn, name: str, row_key: str, size: Size, b: int, warmup: int) -> None:
+  """A (model, row) process: builds and warms up, then times one `train_on_batch` step per
+  "step" message; on "done" sends its peak RSS and exits."""
+  try:
+    import resource  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf.keras.utils.set_random_seed(0)
+    workload = _workload(name, size, b)
+    x, y = workload.data(np.random.default_rng(0), b)
+    model = step_time._row(row_key).build(workload.layers(), b)  # pylint: disable=protected-access
+    start = time.perf_counter()
+    model.train_on_batch(x, y)
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+      model.train_on_batch(x, y)
+    conn.send(dict(first_ms=1e3 * first, params=model.count_params(),
+                   note=step_time._path_note(model)))  # pylint: disable=protected-access
+    while conn.recv() == "step":
+      start = time.perf_counter()
+      model.train_on_batch(x, y)
+      conn.send(time.perf_counter() - start)
+    conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+  except Exception as error:  # pylint: disable=broad-except
+    conn.send({"error": f"failed: {type(error).__name__}: {error}"[:160].replace("|", "/")})
 
 
-def launch(name: str, row_key: str, size: Size, b: int, steps: int, warmup: int) -> dict:
-  """Times (model, row) in a new process (its graphs and peak memory its own)."""
-  with multiprocessing.get_context("spawn").Pool(1) as pool:
-    try:
-      return pool.apply(_time, (name, row_key, size, b, steps, warmup))
-    except Exception as error:  # pylint: disable=broad-except
-      return {"error": f"failed: {type(error).__name__}: {error}"[:160].replace("|", "/")}
+def _receive(conn):
+  """The child's next message, or its error if it died (e.g. out of memory)."""
+  try:
+    return conn.recv()
+  except EOFError:
+    return {"error": "failed: the process died"}
+
+
+def run_model(name: str, keys: list[str], size: Size, b: int, steps: int,
+              warmup: int) -> dict[str, dict]:
+  """Each row of `keys` in its own process (its graphs and peak RSS its own), warmed up one after
+  the other, then timed interleaved: one step of each row in turn, `steps` times, so a change of
+  the shared machine's load reaches every row alike. The median step of each row."""
+  context = multiprocessing.get_context("spawn")
+  children, results, times = {}, {}, {}
+  for key in keys:
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=_child, args=(child_conn, name, key, size, b, warmup))
+    process.start()
+    results[key] = _receive(conn)
+    children[key], times[key] = (conn, process), []
+    print(f"  {name} / {key}: first step {results[key].get('first_ms', 0):.0f} ms "
+          f"{results[key].get('error', '')}", flush=True)
+  for _ in range(steps):
+    for key, (conn, _) in children.items():
+      if "error" not in results[key]:
+        conn.send("step")
+        step = _receive(conn)
+        if isinstance(step, float):
+          times[key].append(step)
+        else:
+          results[key].update(step)
+  for key, (conn, process) in children.items():
+    if "error" not in results[key]:
+      conn.send("done")
+      results[key].update(ms=1e3 * float(np.median(times[key])), peak_gib=_receive(conn))
+      print(f"  {name} / {key}: {results[key]['ms']:.0f} ms/step", flush=True)
+    process.join()
+  return results
 
 
 def _target(key: str, ratio: float) -> str:
@@ -218,6 +280,10 @@ def main(argv):
   unknown = set(_HUB_MODELS.value) - set(HUB_MODELS)
   if unknown:
     raise app.UsageError(f"--hub_models: unknown {sorted(unknown)}")
+  if _QUICK.value:
+    for name, value in {**QUICK, "hub_models": list(HUB_MODELS)}.items():
+      if not flags.FLAGS[name].present:
+        flags.FLAGS[name].value = value
   size = Size(_LAYERS.value, _HIDDEN.value, _INTERMEDIATE.value, _SEQUENCE.value,
               _VOCABULARY.value)
   known = [r.key for r in step_time.rows()]
@@ -226,13 +292,10 @@ def main(argv):
   keys = ["nonprivate", *(flags.FLAGS.only or TARGETS)]
   b, steps = _BATCH_HUB.value, flags.FLAGS.steps
   print(f"Stack: {step_time.stack()}; {size}, batch {b}; one example per microbatch; {steps} "
-        f"timed steps after {_WARMUP.value}; each row in its own process", flush=True)
+        f"timed steps after {_WARMUP.value}, interleaved; each row in its own process", flush=True)
   out = []
   for name in _HUB_MODELS.value:
-    results = {}
-    for key in dict.fromkeys(keys):
-      results[key] = launch(name, key, size, b, steps, _WARMUP.value)
-      print(f"  {name} / {key}: {results[key].get('ms', results[key].get('error'))}", flush=True)
+    results = run_model(name, list(dict.fromkeys(keys)), size, b, steps, _WARMUP.value)
     out += ["", *table(name, size, b, results)]
   print(f"\nStack: {step_time.stack()}; {size}, batch {b}")
   print("\n".join(out))
