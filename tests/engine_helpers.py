@@ -41,3 +41,21 @@ def gradients_and_rules(model, x, y, num_microbatches=None) -> tuple[list[np.nda
     return grads.materialize()
 
   return [g.numpy() for g in run(x, y)], seen["rules"]
+
+
+def gradients_and_rules_any_batch(model, x, y) -> tuple[list[np.ndarray], list[str]]:
+  """`gradients_and_rules` traced for a batch of unknown size, as `fit` traces its step: a copy of
+  a weight to the batch (rule "derived") is proven for a batch size read from the data's shape,
+  never for a constant (a static batch's `tf.shape` is one)."""
+  recurrence.enable(model)
+  spec = lambda a: tf.TensorSpec([None, *a.shape[1:]], a.dtype)
+  seen = {}
+
+  @tf.function(input_signature=[tf.nest.map_structure(spec, x), spec(y)])
+  def run(x, y):
+    grads = per_example.compute(mse(y, model(x, training=True)), model.trainable_variables,
+                                self_check=False)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  return [g.numpy() for g in run(x, y)], seen["rules"]

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import conv_rules
+from tfdp_variants.per_example import derived_rules
 from tfdp_variants.per_example import expand_rules
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import loop_rules
@@ -676,6 +677,8 @@ RULES: dict[str, Rule] = {
     "expand": Rule(expand_rules.expand_use, expand_rules.expand_factor, proves=True),
     # A factor of a low-rank weight W + s·A·B (LoRA), through the rule of the weight's use.
     "low_rank": Rule(_low_rank_use, _low_rank_factor, proves=True),
+    # Last: a weight computed from variables alone, copied to every example (`derived_rules.py`).
+    "derived": Rule(derived_rules.derived_use, derived_rules.derived_factor, proves=True),
 }
 
 

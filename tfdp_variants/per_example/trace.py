@@ -755,6 +755,39 @@ def _broadcast_to(op: tf.Operation, ins: list[Info]) -> Info:
   return Batch(ins[0].axis + out_rank - rank)
 
 
+_EXPANSIONS = frozenset({"Tile", "BroadcastTo"})
+
+
+def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[Batch]:
+  """A Tile or BroadcastTo of a tensor of no example, of size 1 on axis k, to the batch size there
+  (`ops.repeat` of KerasHub DeBERTa's relative-position table over the batch): Batch(k), copy b
+  taken as example b's (it depends on no example, so on none but b's); None otherwise."""
+  x, sizes, rank = op.inputs[0], skip_identity(op.inputs[1]), _rank(op.outputs[0])
+  if sizes.op.type == "Pack" and sizes.op.get_attr("axis") == 0:
+    axes = [k for k, e in enumerate(sizes.op.inputs) if _batch_size(e, memo)]
+  else:
+    axes = []
+  if len(axes) != 1 or _rank(x) is None or rank is None:
+    return None
+  k, pad = axes[0], rank - _rank(x)
+  return Batch(k) if k < pad or x.shape[k - pad] == 1 else None
+
+
+def _batch_size(t: tf.Tensor, memo: dict) -> bool:
+  """Whether scalar `t` is `Shape(x)[j]` of an x whose examples lie on axis j (through Cast,
+  Identity and Reshape of one element)."""
+  while t.op.type in ("Identity", "Cast", "Reshape") and t.op.inputs[0].shape.num_elements() == 1:
+    t = t.op.inputs[0]
+  op = t.op
+  if (op.type != "StridedSlice" or op.inputs[0].op.type != "Shape"
+      or op.get_attr("shrink_axis_mask") != 1 or constant_value(op.inputs[3]) != [1]
+      or any(op.get_attr(f"{m}_mask") for m in ("begin", "end", "ellipsis", "new_axis"))):
+    return False
+  begin, x = constant_value(op.inputs[1]), op.inputs[0].op.inputs[0]
+  j = None if begin is None else _norm(begin[0], _rank(x))
+  return j is not None and memo.get(x.name) == Batch(j)
+
+
 def _cumulative(op: tf.Operation, ins: list[Info]) -> Info:
   axis = constant_value(op.inputs[1])
   return ins[0] if axis is not None and ins[1].axis is None and _norm(
@@ -1333,6 +1366,9 @@ def _analyse(t: tf.Tensor, memo: dict) -> Info:
         outs = _call_outputs(op, ins, memo)
       elif fill is not None and memo[fill[0].name] == Batch(fill[1]):
         outs = [Batch(fill[2])]
+      elif op.type in _EXPANSIONS and ins[0] == NO_BATCH and (
+          expanded := _expanded_to_batch(op, memo)) is not None:
+        outs = [expanded]
       elif all(i.axis is None for i in ins):
         # Depends on no example (a random mask, a shape), unless a function body (a branch, a
         # loop) may read data through a resource (TF 2.15's distributed input reads its iterator
