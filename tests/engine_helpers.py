@@ -1,5 +1,7 @@
 """Helpers shared by the engine's tests (imported as a module: pytest puts tests/ on sys.path)."""
 
+from typing import Optional
+
 import numpy as np
 import tensorflow as tf
 
@@ -40,4 +42,27 @@ def gradients_and_rules(model, x, y, num_microbatches=None) -> tuple[list[np.nda
     seen["rules"] = grads.rules
     return grads.materialize()
 
+  return [g.numpy() for g in run(x, y)], seen["rules"]
+
+
+def gradients_and_rules_any_batch(model, x, y, run_it: bool = True
+                                  ) -> tuple[Optional[list[np.ndarray]], list[str]]:
+  """`gradients_and_rules` traced for a batch of unknown size, as `fit` traces its step: a copy of
+  a weight to the batch (rule "derived") is proven for a batch size read from the data's shape,
+  never for a constant (a static batch's `tf.shape` is one). Without `run_it`, only traced:
+  (None, the rules)."""
+  recurrence.enable(model)
+  spec = lambda a: tf.TensorSpec([None, *a.shape[1:]], a.dtype)
+  seen = {}
+
+  @tf.function(input_signature=[tf.nest.map_structure(spec, x), spec(y)])
+  def run(x, y):
+    grads = per_example.compute(mse(y, model(x, training=True)), model.trainable_variables,
+                                self_check=False)
+    seen["rules"] = grads.rules
+    return grads.materialize()
+
+  if not run_it:
+    run.get_concrete_function()
+    return None, seen["rules"]
   return [g.numpy() for g in run(x, y)], seen["rules"]

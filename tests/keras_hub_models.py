@@ -102,6 +102,21 @@ MODELS: dict[str, Callable] = {
     "f_net": _classifier(M.FNetBackbone, padding=False, vocabulary_size=VOCAB, num_layers=2,
                          hidden_dim=HIDDEN, intermediate_dim=32, dropout=0.0,
                          max_sequence_length=T),
+    # Beyond issue 40's list: Gemma2 (Gemma's backbone with its soft caps, sliding window and
+    # post-norms), RoFormerV2 (a rotary encoder), VGG (convolutions, no batch norm). KerasHub's
+    # Qwen2 and SmolLM are Qwen's and SmolLM3's classes.
+    "gemma2": _causal(M.GemmaBackbone, num_query_heads=2, num_key_value_heads=1, head_dim=8,
+                      query_head_dim_normalize=False, use_post_ffw_norm=True,
+                      use_post_attention_norm=True, final_logit_soft_cap=30.0,
+                      attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
+                      sliding_window_size=4, **DECODER),
+    "roformer_v2": _classifier(M.RoformerV2Backbone, padding=False, vocabulary_size=VOCAB,
+                               num_layers=2, num_heads=2, hidden_dim=HIDDEN, intermediate_dim=32,
+                               head_size=8, dropout=0.0),
+    "vgg": lambda: (M.VGGImageClassifier(
+        backbone=M.VGGBackbone(stackwise_num_repeats=[1], stackwise_num_filters=[4],
+                               image_shape=IMAGE),
+        num_classes=3, pooling_hidden_dim=8, preprocessor=None), _images()),
     "vit": _image_classifier(M.ViTBackbone, mlp_dim=32, **VISION),
     "deit": _image_classifier(M.DeiTBackbone, intermediate_dim=32, **VISION),
     "dinov2": lambda: _pooled(M.DINOV2Backbone(

@@ -225,7 +225,54 @@ def _fill_source(op: tf.Operation) -> list[tf.Tensor]:
   return [] if fill is None else [fill[0]]
 
 
-FAMILY.ops(["BroadcastTo"], axis=_broadcast_to)
+def _tile(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+  """Tile keeps the batch axis where its multiple there is 1; the other multiples need not be
+  static (`keras.ops.repeat`, which GroupQueryAttention's heads take, packs a computed one)."""
+  multiples = tf.get_static_value(op.inputs[1], partial=True)
+  if multiples is None or ins[1].axis is not None:
+    return None
+  return ins[0] if multiples[ins[0].axis] == 1 else None
+
+
+def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[trace.Batch]:
+  """A Tile or BroadcastTo of a tensor of no example, of size 1 on axis k, to the batch size there
+  (`ops.repeat` of KerasHub DeBERTa's relative-position table over the batch): Batch(k), copy b
+  taken as example b's (it depends on no example, so on none but b's); None otherwise."""
+  x, sizes, rank = op.inputs[0], G.skip_identity(op.inputs[1]), G.rank(op.outputs[0])
+  if sizes.op.type == "Pack" and sizes.op.get_attr("axis") == 0:
+    axes = [k for k, e in enumerate(sizes.op.inputs) if _batch_size(e, memo)]
+  else:
+    axes = []
+  if len(axes) != 1 or G.rank(x) is None or rank is None:
+    return None
+  k, pad = axes[0], rank - G.rank(x)
+  return trace.Batch(k) if k < pad or x.shape[k - pad] == 1 else None
+
+
+def _batch_size(t: tf.Tensor, memo: dict) -> bool:
+  """Whether scalar `t` is `Shape(x)[j]` of an x whose examples lie on axis j (through Cast,
+  Identity and Reshape of one element)."""
+  while t.op.type in ("Identity", "Cast", "Reshape") and t.op.inputs[0].shape.num_elements() == 1:
+    t = t.op.inputs[0]
+  op = t.op
+  if (op.type != "StridedSlice" or op.inputs[0].op.type != "Shape"
+      or op.get_attr("shrink_axis_mask") != 1 or G.constant_value(op.inputs[3]) != [1]
+      or any(op.get_attr(f"{m}_mask") for m in ("begin", "end", "ellipsis", "new_axis"))):
+    return False
+  begin, x = G.constant_value(op.inputs[1]), op.inputs[0].op.inputs[0]
+  j = None if begin is None else G.norm(begin[0], G.rank(x))
+  return j is not None and memo.get(x.name) == trace.Batch(j)
+
+
+def _copied_to_batch(op: tf.Operation, ins: list[trace.Info],
+                     memo: dict) -> Optional[list[trace.Info]]:
+  """A Tile or BroadcastTo of a tensor of no example to the batch (`_expanded_to_batch`)."""
+  expanded = _expanded_to_batch(op, memo) if ins[0] == trace.NO_BATCH else None
+  return None if expanded is None else [expanded]
+
+
+FAMILY.ops(["BroadcastTo"], axis=_broadcast_to, known=_copied_to_batch)
+FAMILY.ops(["Tile"], axis=_tile, known=_copied_to_batch)
 FAMILY.ops(["Fill"], reads=_fill_source, early=_ones_like, known=_filled_rows)
 FAMILY.factor("broadcast", _match_broadcast, _broadcast_factor)
 FAMILY.factor("expand", expand_use, expand_factor, proves=True)

@@ -6,6 +6,7 @@ from tfdp_variants.per_example.ops import broadcast
 from tfdp_variants.per_example.ops import control
 from tfdp_variants.per_example.ops import conv
 from tfdp_variants.per_example.ops import conv2d
+from tfdp_variants.per_example.ops import derived
 from tfdp_variants.per_example.ops import elementwise
 from tfdp_variants.per_example.ops import gather
 from tfdp_variants.per_example.ops import image

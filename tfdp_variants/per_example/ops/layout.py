@@ -218,15 +218,6 @@ def _reverse(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   return None if ins[0].axis in [G.norm(a, rank) for a in axes] else ins[0]
 
 
-def _tile(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
-  """Tile keeps the batch axis where its multiple there is 1; the other multiples need not be
-  static (`keras.ops.repeat`, which GroupQueryAttention's heads take, packs a computed one)."""
-  multiples = tf.get_static_value(op.inputs[1], partial=True)
-  if multiples is None or ins[1].axis is not None:
-    return None
-  return ins[0] if multiples[ins[0].axis] == 1 else None
-
-
 def _position(t: tf.Tensor) -> bool:
   """Whether `t` (a slice's begin, end or strides) reads no value of the data: it is computed, in
   scalars and short vectors, from constants, sizes, and scalars the step is given (a loop's counter,
@@ -317,7 +308,6 @@ FAMILY.ops(["Split", "SplitV"], axis=_split)
 FAMILY.ops(["StridedSlice"], axis=_ellipsis_slice, early=_windowed)
 FAMILY.ops(["Slice"], axis=_slice, early=_windowed)
 FAMILY.ops(["Pad", "PadV2", "MirrorPad"], axis=_pad)
-FAMILY.ops(["Tile"], axis=_tile)
 FAMILY.ops(["ReverseV2"], axis=_reverse)
 FAMILY.ops(["SpaceToBatchND"], axis=_space_to_batch)
 FAMILY.ops(["BatchToSpaceND"], axis=_batch_to_space, block_safe=True, own_blocks=True)

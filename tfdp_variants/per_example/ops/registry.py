@@ -27,12 +27,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 # state, a Fill of the batch size), and the rules of one op before the proving ones, which follow
 # a variable beyond its op ("loop_*" into a loop's body, "expand" through a broadcast to the batch,
 # "low_rank" through a product of two weights to the use of their product, which it asks "matmul",
-# "batch_matmul" and "einsum" about). This is the order the rules' table has always had; change it
-# only with a test of a use both rules match. `tests/test_architecture.py` checks that it lists
+# "batch_matmul" and "einsum" about), and "derived" last (a use whose op holds no example, which
+# no other rule covers and which must never shadow one). Change the order only with a test of a
+# use both rules match. `tests/test_architecture.py` checks that it lists
 # every registered kind once.
 FACTOR_ORDER = ("matmul", "zero_matmul", "conv", "bias_add", "gather", "gather_v2", "broadcast",
                 "einsum", "batch_matmul", "depthwise", "conv3d", "conv_transpose",
-                "blocked_conv2d", "loop_matmul", "loop_conv", "expand", "low_rank")
+                "blocked_conv2d", "loop_matmul", "loop_conv", "expand", "low_rank", "derived")
 
 
 @dataclasses.dataclass(frozen=True)
