@@ -11,7 +11,7 @@ can see the per-step output gradients. Here the same recurrence is computed with
     and its left operand h_{t-1} written to row t of a list that the loop outputs.
 Then ∂L/∂r_t = ∂L/∂q_t, which one ordinary backward pass gives outside the loop, and U's gradient
 for example i is Σ_t h_{t-1,i}ᵀ ∂L/∂q_{t,i}: an `Outer` factor of the rows of two outer tensors
-(the "loop_matmul" rule, `loop_rules.py`, which proves this structure on the graph rather than
+(the "loop_matmul" rule, `ops/loops.py`, which proves this structure on the graph rather than
 trusting this module). The values computed are Keras' own cell's, term for term.
 
 ConvLSTM (`conv_lstm`) is the same with convolutions: the input conv of every frame hoisted (one

@@ -374,37 +374,63 @@ def blocked_conv2d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 # Conv3D, grouped in a function body (Keras' grouped Conv3D).
 
 
-def _in_call(op: tf.Operation, var_input: tf.Tensor,
-             conv_type: str) -> Optional[tuple[tf.Operation, Optional[Blocked]]]:
-  """The `conv_type` op of a call of two inputs, the data and the kernel (a read of it, or the
-  resource handle read in the body), whose body computes that op and nothing else, or that op on
-  blocks (`Blocked`, a dilated grouped conv; then also its `Blocked`)."""
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """A call of two inputs, the data and the kernel (a read of it, or its resource handle), seen in
+  its body: `x` and `w` the body's inputs of them, `out` what it returns (identities skipped), `k`
+  the kernel's position among the call's inputs."""
+
+  body: tf.Graph
+  x: tf.Tensor
+  w: tf.Tensor
+  out: tf.Tensor
+  k: int
+
+
+def call_of(op: tf.Operation, var_input: tf.Tensor) -> Optional[Call]:
+  """`op`, a call of two inputs one of which is `var_input`, seen in its body (None otherwise)."""
   k = [i for i, t in enumerate(op.inputs) if G.same(t, var_input)]
   body = G.function_graph(op)
   if len(op.inputs) != 2 or len(k) != 1 or body is None or len(body.inputs) != 2:
     return None
-  x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
-  out = G.skip_identity(body.outputs[0])
-  b2s = blocked(out)
-  conv = (out if b2s is None else b2s[1]).op
+  return Call(body, body.inputs[1 - k[0]], body.inputs[k[0]], G.skip_identity(body.outputs[0]),
+              k[0])
+
+
+def computes_only(call: Call, path: list[tf.Operation], x_path: tf.Tensor,
+                  w_path: tf.Tensor) -> bool:
+  """Whether `call`'s body reaches the data at `x_path` and the kernel at `w_path` (through its
+  read, where the call passes the handle) and computes nothing but `path` (placeholders, constants
+  and identities aside)."""
+  if w_path.op.type == "ReadVariableOp" and call.w.dtype == tf.resource:
+    path = [*path, w_path.op]
+    w_path = w_path.op.inputs[0]
+  if not (G.same(x_path, call.x) and G.same(w_path, call.w)):
+    return False
+  return not [o for o in call.body.get_operations() if o not in path
+              and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
+
+
+def _in_call(op: tf.Operation, var_input: tf.Tensor,
+             conv_type: str) -> Optional[tuple[tf.Operation, Optional[Blocked]]]:
+  """The `conv_type` op of a call of the data and the kernel (`call_of`) whose body computes that
+  op and nothing else, or that op on blocks (`Blocked`, a dilated grouped conv; then also its
+  `Blocked`)."""
+  call = call_of(op, var_input)
+  if call is None:
+    return None
+  b2s = blocked(call.out)
+  conv = (call.out if b2s is None else b2s[1]).op
   if conv.type != conv_type:
     return None
-  w_path, path = G.skip_identity(conv.inputs[1]), [conv]
-  if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
-    path.append(w_path.op)
-    w_path = w_path.op.inputs[0]
-  x_path, space = G.skip_identity(conv.inputs[0]), None
+  path, x_path, space = [conv], G.skip_identity(conv.inputs[0]), None
   if b2s is not None:
-    space = unblocked(b2s[0], x_path, conv, x_in, conv.inputs[1].shape[:-2].as_list())
+    space = unblocked(b2s[0], x_path, conv, call.x, conv.inputs[1].shape[:-2].as_list())
     if space is None:
       return None
     path += [b2s[0], x_path.op]
     x_path = x_path.op.inputs[0]
-  if not (G.same(x_path, x_in) and G.same(w_path, w_in)):
-    return None
-  rest = [o for o in body.get_operations() if o not in path
-          and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
-  return None if rest else (conv, space)
+  return (conv, space) if computes_only(call, path, x_path, G.skip_identity(conv.inputs[1])) else None
 
 
 def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:

@@ -40,13 +40,11 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   `conv_rules.Blocked`): every other op of the body is a placeholder, constant, identity or the
   kernel's read."""
   # The output count is not checked: taking gradients rewrites the call to also output intermediates.
-  k = [i for i, t in enumerate(op.inputs) if G.same(t, var_input)]
-  body = G.function_graph(op)
-  if len(op.inputs) != 2 or len(k) != 1 or body is None or len(body.inputs) != 2:
+  call = conv_rules.call_of(op, var_input)
+  if call is None:
     return None
-  x_in, w_in = body.inputs[1 - k[0]], body.inputs[k[0]]
-  out = G.skip_identity(body.outputs[0])
-  path, b2s = [], conv_rules.blocked(out)
+  path, b2s = [], conv_rules.blocked(call.out)
+  out = call.out
   if b2s is not None:
     path.append(b2s[0])
     out = b2s[1]
@@ -61,7 +59,7 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   expand = None
   if squeeze is not None:  # Conv1D: x and the kernel expanded, the output squeezed, alike.
     expand = G.constant_value(x_path.op.inputs[1]) if x_path.op.type == "ExpandDims" else None
-    if (expand is None or x_in.shape.rank != 3 or w_path.op.type != "ExpandDims"
+    if (expand is None or call.x.shape.rank != 3 or w_path.op.type != "ExpandDims"
         or G.constant_value(w_path.op.inputs[1]) != 0
         or [d % 4 for d in squeeze.get_attr("squeeze_dims")] != [expand % 4]):
       return None
@@ -73,21 +71,16 @@ def _conv_in_call(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
   space = None
   if b2s is not None:  # A 1-D conv's kernel is (1, k, ·, ·).
     kernel = conv.inputs[1].shape
-    space = conv_rules.unblocked(b2s[0], x_path, conv, x_in,
+    space = conv_rules.unblocked(b2s[0], x_path, conv, call.x,
                                  kernel[:2].as_list() if expand is None else [kernel[1]])
     # A 1-D conv's data expanded on its first spatial axis (2 channels first), blocked on its own.
     if space is None or expand not in (None, 2 if conv_rules.channels_first(conv) else 1):
       return None
     path.append(x_path.op)
     x_path = x_path.op.inputs[0]
-  if w_path.op.type == "ReadVariableOp" and w_in.dtype == tf.resource:
-    path.append(w_path.op)
-    w_path = w_path.op.inputs[0]
-  if not (G.same(x_path, x_in) and G.same(w_path, w_in)):
+  if not conv_rules.computes_only(call, [*path, conv], x_path, w_path):
     return None
-  rest = [o for o in body.get_operations() if o not in path and o is not conv
-          and o.type not in ("Placeholder", "Const", "Identity", "NoOp")]
-  return None if rest else _Conv(conv, op.inputs[1 - k[0]], expand, space)
+  return _Conv(conv, op.inputs[1 - call.k], expand, space)
 
 
 def _conv_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[_Conv]:
