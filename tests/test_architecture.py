@@ -88,15 +88,13 @@ def test_no_references_to_documents_outside_the_repository():
   assert not cited, cited
 
 
-# Modules over the size limit that issue 39 splits; each leaves this list when it is split.
-_OVERSIZE_UNTIL_SPLIT = frozenset({"per_example/factors.py"})
 
 
 def test_modules_are_small():
   sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
            for path in _modules().values()}
   large = {name: size for name, size in sizes.items()
-           if size > 600 and name not in _OVERSIZE_UNTIL_SPLIT}
+           if size > 600}
   assert not large, large
 
 

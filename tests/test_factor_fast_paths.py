@@ -51,7 +51,7 @@ def test_conv_product_of_unknown_batch_from_gathered_patches_or_blocks(
   """A conv's materialized per-example gradients when the batch is known only at run time: from
   the patches gathered in one op while they fit `_MAX_GATHERED_ELEMENTS`, else block by block
   (a tf.cond on the batch's size), both equal to NumPy's Σ_p patch_pᵀ d_p."""
-  monkeypatch.setattr(F, "_MAX_GATHERED_ELEMENTS", 10**9 if gathered else 10)
+  monkeypatch.setattr(F.outer, "_MAX_GATHERED_ELEMENTS", 10**9 if gathered else 10)
   rng = np.random.default_rng(6)
   x = rng.normal(size=(3, 7, 6, 2)).astype(np.float32)
   want_patches = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1],
@@ -170,7 +170,7 @@ def test_gather_gram_equals_dense_reference(ids, mode, monkeypatch):
   d = np.random.default_rng(4).normal(size=(6, 5, 3))
   keep = np.array([True, False, True, True, False, True])
   if mode == "chunked":  # Several chunks of pairs.
-    monkeypatch.setattr(F, "_GRAM_PAIRS_PER_CHUNK", 7)
+    monkeypatch.setattr(F.forms, "_GRAM_PAIRS_PER_CHUNK", 7)
   g = np.zeros((6, 60, 3))
   for m in range(6):
     np.add.at(g[m], ids[m], d[m] * keep[m])

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import tensorflow as tf
 
-from tfdp_variants.per_example.factors import OddFunction
+from tfdp_variants.per_example.factors.base import OddFunction
 
 
 class Factor(Protocol):

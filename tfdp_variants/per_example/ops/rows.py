@@ -28,7 +28,7 @@ def padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor, ids: bool = Fals
   longest one's. Padding rows of gradients (and activations) are zeros, which add nothing; with
   `ids`, those of ids repeat the microbatch's first id (0 if it has none), so that a padding row
   merges with a row the microbatch already holds: ids 0 in every microbatch would pair each with
-  every other in a Gram matrix by shared ids (`F._gram_by_shared_ids`), M² pairs of zeros."""
+  every other in a Gram matrix by shared ids (`factors/forms.py`, `_gram_by_shared_ids`), M² pairs of zeros."""
   bounds = splits[0]  # Example m's rows are [bounds[m], bounds[m + 1]) of the innermost.
   for inner in splits[1:]:
     bounds = tf.gather(inner, bounds)
