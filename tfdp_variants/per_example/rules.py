@@ -1,7 +1,7 @@
 """The uses of a variable that have a per-example rule, and the factor each gives.
 
 A rule reads one op that uses a variable: the op's input rows, grouped by example, and the gradient
-of its output give the variable's per-example gradients as a factor (`factors.py`). A use matches
+of its output give the variable's per-example gradients as a factor (`factors/`). A use matches
 only when `trace.batch_axis` proves the op's input has the examples on axis 0 (a dilated conv's
 SpaceToBatchND: blocks of them, `ops/conv.py`; MatMul, BiasAdd and gathers also take time-major
 data, its examples' axis moved first); every other use sends its variable to the exact fallback.
