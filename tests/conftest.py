@@ -7,7 +7,9 @@ version and run once. The TF 2.15 leg adds `-m tf_privacy`, the parity tests aga
 
 The tests' one switch on the Keras version is here: `@pytest.mark.keras3_only` and
 `@pytest.mark.keras2_only` skip a test on the other stacks, and `per_stack(keras3=..., keras2=...)`
-picks a value where the stacks word or do one thing differently.
+picks a value where the stacks word or do one thing differently. `@pytest.mark.default_leg` keeps a
+test of a stack file on the default leg alone: a case whose stack-dependent part other cases of
+the same test already cover on the Keras 2 legs (CI time).
 """
 
 import pytest
@@ -48,7 +50,8 @@ def fixed_noise(monkeypatch):
 
 
 _SKIP_OTHER_STACK = {"keras3_only": (not stack.KERAS_3, "a path of Keras 3 alone"),
-                     "keras2_only": (stack.KERAS_3, "a path of Keras 2 alone")}
+                     "keras2_only": (stack.KERAS_3, "a path of Keras 2 alone"),
+                     "default_leg": (not stack.KERAS_3, "run on the default leg alone (CI time)")}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,8 @@ and alpha = 1e-3: a correct optimizer is called a VIOLATION with probability ≤
 construction, and far less in fact (both Clopper–Pearson bounds must miss together): for Gaussian
 scores, averaging the exact binomial probability over simulated threshold choices gave ≤ 3e-6 at
 μ = 1 (1300 trials), μ = 4 (2500, 4000 trials) and μ = 0.71 (150 trials; a loss canary's ROC lies
-below the Gaussian's, so less there), and 0 at μ = 4 with 300 (μ_lower cannot reach 4).
+below the Gaussian's, so less there), and 0 at μ = 4 with 300 (μ_lower cannot reach 4); at μ = 4
+with 1500 trials (fit), μ_lower stayed below 4 in 20,000 simulated audits (largest 3.88).
 """
 
 import functools
@@ -254,7 +255,7 @@ def test_refusals_name_the_fix():
 SIGMA = 0.25
 MU = 1 / SIGMA
 PRECISE_TRIALS = 4000  # μ̂ within 4.5 SE = 4.4% of μ; a custom loop traces once: seconds.
-FIT_TRIALS = 2500  # fit pays Keras' per-step overhead (~4 s per 1000 trials): 4.5 SE = 5.5% of μ.
+FIT_TRIALS = 1500  # fit pays Keras' per-step overhead (~4 s per 1000 trials): 4.5 SE = 7.1% of μ.
 TRIALS = 300  # MirroredStrategy pays more (each step on 2 replicas): 4.5 SE = 16% of μ.
 Z = 4.5  # μ̂ within Z standard errors of the claim: a correct optimizer fails with prob. 7e-6.
 
@@ -321,6 +322,9 @@ def _assert_matches_claim(result, relative_tolerance):
   assert result.mu_lower < result.claimed_mu and result.verdict == "consistent"
 
 
+# The custom loop and Poisson batches reach the released gradient the same way on every stack
+# (the DP step's own arithmetic): run on the default leg alone (CI time).
+@pytest.mark.default_leg
 @pytest.mark.parametrize("name", sorted(CERTIFIED))
 def test_certified_algorithm_audit_matches_its_claim_in_a_custom_loop(name):
   """μ̂ within 4.5 SE of μ = 4 with SE² = 2/n + μ²/(4n) (`_se`): 4.4% of μ at n = 4000."""
@@ -331,6 +335,7 @@ def test_certified_algorithm_audit_matches_its_claim_in_a_custom_loop(name):
   assert (result.certified_mu > result.claimed_mu) == composed  # + the norm / count query.
 
 
+@pytest.mark.default_leg
 @pytest.mark.parametrize("name", sorted(CERTIFIED))
 def test_certified_algorithm_audit_with_poisson_batches(name):
   # expected_batch_size: the absent batch is one example shorter; the sum is divided by 8 always.
@@ -339,17 +344,22 @@ def test_certified_algorithm_audit_with_poisson_batches(name):
     _assert_matches_claim(result, 0.05)
 
 
-# The Keras 2 legs audit fit and the mirrored strategy for one algorithm of each base optimizer
-# (SGD, Adam, RMSprop, Adagrad): what depends on the stack is how fit and the strategy reach the
-# released gradient, not the algorithms' arithmetic, which every stack shares (CI time).
-_KERAS2_PATHS = ("dpsgd", "dpadam", "pigdo_rmsprop", "layered_certified_adagrad")
-_PATH_CASES = [name if name in _KERAS2_PATHS else pytest.param(name, marks=pytest.mark.keras3_only)
-               for name in sorted(CERTIFIED)]
+# What depends on the path is how fit and the strategy reach the released gradient, which differs
+# by base optimizer (SGD, Adam, RMSprop, Adagrad), not the algorithms' arithmetic (the custom loop
+# audits every algorithm, test_distributed runs each under the strategy): the default leg audits
+# fit for every algorithm and the strategy for one algorithm of each base optimizer, the Keras 2
+# legs fit for those four and the strategy for SGD and Adam (CI time).
+_BASES = ("dpsgd", "dpadam", "pigdo_rmsprop", "layered_certified_adagrad")
 
 
-@pytest.mark.parametrize("name", _PATH_CASES)
+def _cases(default_leg: tuple, keras2: tuple) -> list:
+  return [name if name in keras2 else pytest.param(name, marks=pytest.mark.default_leg)
+          for name in sorted(default_leg)]
+
+
+@pytest.mark.parametrize("name", _cases(CERTIFIED, _BASES))
 def test_certified_algorithm_audit_under_fit(name):
-  _assert_matches_claim(_audit(name, "fit", FIT_TRIALS, path="fit"), 0.06)
+  _assert_matches_claim(_audit(name, "fit", FIT_TRIALS, path="fit"), 0.075)
 
 
 @functools.cache
@@ -357,7 +367,7 @@ def _mirrored():
   return test_distributed._mirrored()  # One strategy per process: see test_distributed.
 
 
-@pytest.mark.parametrize("name", _PATH_CASES)
+@pytest.mark.parametrize("name", _cases(_BASES, ("dpsgd", "dpadam")))
 def test_certified_algorithm_audit_under_mirrored_strategy(name):
   if len(tf.config.list_logical_devices("CPU")) < 2:
     pytest.skip("needs the two logical CPUs that conftest.py configures")
