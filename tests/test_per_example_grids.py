@@ -292,7 +292,9 @@ def _build(name):
 UNPROVEN = per_stack({"embedding_ragged_bow_3d"}, set())
 
 
-@pytest.mark.parametrize("num_microbatches", [None, 2])
+# Microbatches group the rows the same way whatever graph the stack's layers trace: the Keras 2
+# legs run the grid with one example per microbatch (CI time).
+@pytest.mark.parametrize("num_microbatches", [None, pytest.param(2, marks=pytest.mark.default_leg)])
 @pytest.mark.parametrize("name", sorted(CONV_GRID) + sorted(OTHER))
 def test_grid_matches_single_example_gradients(name, num_microbatches):
   model, x, y = _build(name)
