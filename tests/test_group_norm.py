@@ -171,3 +171,32 @@ def test_keras_hub_resnet_classifier():
   x = np.random.default_rng(1).normal(size=(B, 8, 8, 3)).astype("float32")
   y = np.random.default_rng(2).normal(size=(B, 2)).astype("float32")
   _assert_exact_on_rules(copy, x, y)
+
+
+class _ConvNorm(L.Layer):
+  """A custom layer that builds its own BatchNormalization (as KerasHub's HGNetV2 layers do)."""
+
+  def __init__(self, frozen=False, **kwargs):
+    super().__init__(**kwargs)
+    self.frozen = frozen
+    self.dense, self.norm = L.Dense(4), _BN()
+    self.norm.trainable = not frozen
+
+  def call(self, x, training=None):
+    return self.norm(self.dense(x), training=training)
+
+  def get_config(self):
+    return {**super().get_config(), "frozen": self.frozen}
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_batch_norm_built_inside_a_custom_layer(frozen):
+  """The copy of a custom layer builds its BatchNormalization again: refused, naming it, unless
+  it is frozen (it then runs on its moving statistics)."""
+  inputs = L.Input((3,))
+  model = tf.keras.Model(inputs, L.Dense(2)(_ConvNorm(frozen, name="conv_norm")(inputs)))
+  if frozen:
+    assert len(group_norm.batch_norm_to_group_norm(model).layers) == 3
+    return
+  with pytest.raises(ValueError, match="custom layers build in their own code .*conv_norm"):
+    group_norm.batch_norm_to_group_norm(model)

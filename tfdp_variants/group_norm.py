@@ -83,7 +83,8 @@ def batch_norm_to_group_norm(model: keras.Model, groups: Optional[int] = None) -
 
   Raises:
     ValueError: the model is not built, or is a subclassed model (write its `call` with
-      GroupNormalization instead), or `groups` does not divide a layer's channels.
+      GroupNormalization instead), or `groups` does not divide a layer's channels, or a custom
+      layer builds a trainable BatchNormalization in its own code (the copy would too).
   """
   if not model.built:
     raise ValueError(f"Model {model.name!r} is not built: build it (e.g. call it on a batch, or "
@@ -114,4 +115,21 @@ def batch_norm_to_group_norm(model: keras.Model, groups: Optional[int] = None) -
           getattr(new, name).assign(getattr(old, name))
     else:
       new.set_weights(old.get_weights())
+  _refuse_inner_batch_norm([new for _, new in pairs])
   return copy
+
+
+def _refuse_inner_batch_norm(layers: list) -> None:
+  """Raises if a copied layer holds a trainable BatchNormalization of its own (a custom layer
+  that builds it in its code, copied from its config): the copy would still mix examples."""
+  inner = [(layer.name, sub.name) for layer in layers if not isinstance(layer, keras.Model)
+           for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+           if isinstance(sub, validation.MIXING_LAYERS) and sub.trainable]
+  if inner:
+    where = ", ".join(f"{sub!r} in {layer!r}" for layer, sub in inner[:5])
+    raise ValueError(
+        f"batch_norm_to_group_norm cannot replace the BatchNormalization layers that custom layers "
+        f"build in their own code ({where}{', ...' if len(inner) > 5 else ''}): a copy of such a "
+        "layer builds them again. Replace them with GroupNormalization in that layer's code, or "
+        "freeze them (`bn.trainable = False`: a frozen BatchNormalization runs on its moving "
+        "statistics and mixes no examples) and train the model without this helper.")

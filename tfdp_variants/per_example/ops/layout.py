@@ -4,6 +4,7 @@ tiling, stacking, and the SpaceToBatchND blocks of a dilated convolution."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import tensorflow as tf
@@ -57,11 +58,7 @@ def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.
   """`_reshape` of unblocked data, neither shape holding a static size-1 axis but the batch."""
   b = info.axis
   if b == 0:
-    tail_x, tail_y = x[1:].num_elements(), y[1:].num_elements()
-    if y.rank == 0 or (tail_x is not None and tail_y is not None and tail_x % tail_y
-                       and tail_y % tail_x):
-      return None
-    return trace.Batch(0)
+    return trace.Batch(0) if y.rank and _rows_kept(x, y) else None
   same = y.rank > b and all(
       p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
   if same:
@@ -72,6 +69,24 @@ def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.
     sizes = tuple(x[j:b].as_list()) if x[j:b].is_fully_defined() else ()
     return trace.Batch(j, trace.MERGED + sizes)
   return None
+
+
+def _rows_kept(x: tf.TensorShape, y: tf.TensorShape) -> bool:
+  """Whether a reshape x → y of rows on axis 0 keeps each new row within whole rows: the trailing
+  sizes divide one another; where a row of x has unknown sizes, a row of y divides its static
+  part (so it divides the row whatever the unknown sizes are); where only the leading sizes are
+  known, they divide one another. A static leading size out of rows of unknown number,
+  (B, 8) → (8, B), is refused: it cannot follow B, so its rows straddle examples for every B
+  that 8 is not a multiple or divisor of. Left to the self-check: a row of y of unknown size
+  under a leading axis of unknown size (a reshape to a shape computed at run time)."""
+  tail_x, tail_y = x[1:].num_elements(), y[1:].num_elements()
+  if tail_x is not None and tail_y is not None:
+    return not (tail_x % tail_y and tail_y % tail_x)
+  if tail_y is not None:
+    return math.prod(d for d in x[1:].as_list() if d is not None) % tail_y == 0
+  if y[0] is None:
+    return True
+  return x[0] is not None and not (x[0] % y[0] and y[0] % x[0])
 
 
 def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
