@@ -30,6 +30,12 @@ def _tokens(segments: bool = False, padding: bool = True) -> dict:
   return data
 
 
+def _seq2seq() -> dict:
+  """An encoder-decoder's token ids and padding masks: `_tokens` on both sides."""
+  tokens = _tokens()
+  return {f"{side}_{key}": value for side in ("encoder", "decoder") for key, value in tokens.items()}
+
+
 def _images() -> np.ndarray:
   return np.random.default_rng(1).normal(size=(B, *IMAGE)).astype("float32")
 
@@ -53,10 +59,11 @@ def _image_classifier(backbone_cls, **config) -> Callable:
 
 def _pooled(backbone, inputs, pool: str):
   """A backbone without a task in KerasHub, under a Dense head of 3 classes on its pooled or
-  first-token output."""
+  first-token output (`pool` of a dict of outputs; SigLIP's vision tower pools already)."""
   import keras  # pylint: disable=import-outside-toplevel
   out = backbone(backbone.input)
-  out = out[pool] if isinstance(out, dict) else out[:, 0]
+  out = out[pool] if isinstance(out, dict) else out
+  out = out[:, 0] if len(out.shape) == 3 else out
   return keras.Model(backbone.input, keras.layers.Dense(3)(out)), inputs
 
 
@@ -117,6 +124,25 @@ MODELS: dict[str, Callable] = {
         backbone=M.VGGBackbone(stackwise_num_repeats=[1], stackwise_num_filters=[4],
                                image_shape=IMAGE),
         num_classes=3, pooling_hidden_dim=8, preprocessor=None), _images()),
+    # Beyond the list too: Swin (windows of rows regrouped by reshapes, a relative-position bias
+    # table gathered, then added to every example's scores), CLIP's and SigLIP's vision towers (a
+    # position table sliced before it is added; SigLIP's pooling probe repeated over the batch),
+    # T5 (a relative-position bias over a key length known at run time only), GPT-OSS (attention
+    # sinks, experts).
+    "swin": lambda: (M.SwinTransformerImageClassifier(backbone=M.SwinTransformerBackbone(
+        image_shape=IMAGE, embed_dim=8, depths=[2], num_heads=[2], window_size=2, patch_size=2,
+        drop_path=0.0), num_classes=3, preprocessor=None), _images()),
+    "clip_vision": lambda: _pooled(M.CLIPVisionEncoder(
+        patch_size=4, hidden_dim=HIDDEN, num_layers=2, num_heads=2, intermediate_dim=32,
+        image_shape=IMAGE), {"images": _images()}, "sequence_output"),
+    "siglip_vision": lambda: _pooled(M.SigLIPVisionEncoder(
+        patch_size=4, hidden_dim=HIDDEN, num_layers=2, num_heads=2, intermediate_dim=32,
+        image_shape=IMAGE), {"images": _images()}, "pooled_output"),
+    "t5": lambda: (M.T5Seq2SeqLM(backbone=M.T5Backbone(
+        key_value_dim=8, vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=HIDDEN,
+        intermediate_dim=32, dropout=0.0), preprocessor=None), _seq2seq()),
+    "gpt_oss": _causal(M.GptOssBackbone, num_experts=4, top_k=2, head_dim=8, sliding_window=4,
+                       **LLAMA),
     "vit": _image_classifier(M.ViTBackbone, mlp_dim=32, **VISION),
     "deit": _image_classifier(M.DeiTBackbone, intermediate_dim=32, **VISION),
     "dinov2": lambda: _pooled(M.DINOV2Backbone(

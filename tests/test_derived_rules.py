@@ -1,6 +1,8 @@
 """Rule "derived" on plain Keras layers (every stack): a weight computed from variables alone (a
 normalized table, as KerasHub's DeBERTaV3 normalizes its relative-position table), copied to every
-example by `tf.repeat` or `tf.broadcast_to` over the batch, then read with the data. Per-example
+example by `tf.repeat` or `tf.broadcast_to` over the batch, then read with the data; or sliced and
+added to, subtracted from or multiplying every example's rows (a position table, a decay), its
+length static or known at run time only. Per-example
 gradients against single-example tapes, the rule of each variable pinned; for a batch of static
 size the copy is not proven (a constant is no batch size) and the variables keep the exact
 fallback."""
@@ -35,17 +37,25 @@ class _Relative(L.Layer):
     r = (self.table - mean) * tf.math.rsqrt(var + 1e-3) * self.gamma + self.beta
     if self.mode == "broadcast":  # Next to the sequence: (B, K + T, D).
       return tf.matmul(tf.concat([tf.broadcast_to(r, [tf.shape(x)[0], K, D]), x], 1), self.kernel)
+    if self.mode in _LINEAR:  # With the sequence's last T - 1 = K rows, broadcast over the batch.
+      head = r[:tf.shape(x)[1] - 1] if self.mode == "add_run_time" else r[:T - 1]
+      return tf.matmul(_LINEAR[self.mode](x[:, 1:], head), self.kernel)
     rows = tf.repeat(r[None], tf.shape(x)[0], axis=0)  # DeBERTa: (B, K, D), one kernel for both.
     return tf.matmul(tf.matmul(x, self.kernel), tf.matmul(rows, self.kernel), transpose_b=True)
 
 
+_LINEAR = {"add": tf.add, "subtract": tf.subtract, "scale": lambda x, r: x * tf.exp(r),
+           "add_run_time": tf.add}
+
+
 def _model(mode):
-  x = L.Input((T, D))
-  return tf.keras.Model(x, L.Dense(2)(L.Flatten()(_Relative(mode)(x))))
+  x = L.Input((None if mode == "add_run_time" else T, D))
+  pool = L.GlobalAveragePooling1D() if mode == "add_run_time" else L.Flatten()
+  return tf.keras.Model(x, L.Dense(2)(pool(_Relative(mode)(x))))
 
 
-CASES = {"repeat": ["derived"] * 3 + ["outer", "outer", "rowsum"],
-         "broadcast": ["derived"] * 3 + ["outer", "outer", "rowsum"]}
+CASES = {mode: ["derived"] * 3 + ["outer", "outer", "rowsum"]
+         for mode in ("repeat", "broadcast", *_LINEAR)}
 
 
 def _data(model):

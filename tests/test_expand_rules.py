@@ -85,9 +85,10 @@ DENSE = ["outer", "rowsum"]
 CASES = {
     "position_table": (lambda: _model(_position_table, (8, D)), ["rowsum", *DENSE]),
     "class_token": (lambda: _model(_class_token, (1, 1, D)), ["rowsum", *DENSE]),
-    # Keras 2 gathers from the variable itself (ResourceGather of constant ids): no rule there.
+    # Keras 2 gathers from the variable itself (ResourceGather of constant ids), a table of no
+    # example then added to every example's rows: rule "derived" there.
     "position_ids": (lambda: _model(_position_ids, (T + 2, D)),
-                     [per_stack("rowsum", "fallback"), *DENSE]),
+                     [per_stack("rowsum", "derived"), *DENSE]),
     "one_plus_scale": (lambda: _model(_one_plus_scale, (D,)), ["rowsum", *DENSE]),
     "experts": (lambda: _model(_experts, (2, D, 3), (2, 3, D)), ["outer", "grouped", *DENSE]),
     "ellipsis_slice": (lambda: _model(_ellipsis, (D, D)), ["rowsum", *DENSE]),

@@ -36,9 +36,10 @@ LORA = ["gpt2", "gemma", "llama", "bert", "vit", "mixtral", "deberta_v3"]
 # head (GPT-2), rotary attention with grouped heads (Llama), Gemma's transposed 3-D kernels and
 # 1 + scale, partial rotary (GPT-NeoX), experts (Mixtral), an encoder with segments (BERT),
 # relative positions (DeBERTaV3), FFTs (FNet), patches and a class token (ViT), convolutions
-# (VGG); with LoRA, Gemma's transposed and Llama's and DeBERTaV3's adapters.
+# (VGG), windows regrouped by reshapes and a gathered bias table (Swin), a bias over a key length
+# known at run time (T5); with LoRA, Gemma's transposed and Llama's and DeBERTaV3's adapters.
 EXACT = {"gpt2", "llama", "gemma", "gpt_neox", "mixtral", "bert", "deberta_v3", "f_net", "vit",
-         "vgg"}
+         "vgg", "swin", "t5"}
 EXACT_LORA = {"gemma", "llama", "deberta_v3"}
 
 

@@ -3,13 +3,14 @@
 A family of models that mix examples through ops the batch-axis analysis once lost the examples
 at (bitwise and string ops on ids, an integer batch statistic, roll, sort, cumulative sums,
 gathers, segment sums, a Gram product, an elementwise op before a batch centre, a
-`stop_gradient` batch std, a while loop over the rows, a reshape whose rows straddle examples,
-Python code), and controls that use the same ops within each example, run four ways: `fit`, a
-custom loop taking each batch as arguments, and one `tf.function` whose `tf.range` loop slices
-each batch from captured constants or captured variables. Every mixing model is refused before
-any step with an error naming the op and its layer; every control trains exactly: its weights
-equal noiseless DP-SGD from single-example `tf.GradientTape` gradients. Python code
-(`tf.py_function`) is refused whatever it computes: nothing in the graph shows what it reads.
+`stop_gradient` batch std, a while loop over the rows, a reshape whose rows straddle or merge
+examples, to static shapes or to a shape computed at run time, Python code), and controls that
+use the same ops within each example, run four ways: `fit`, a custom loop taking each batch as
+arguments, and one `tf.function` whose `tf.range` loop slices each batch from captured constants
+or captured variables. Every mixing model is refused before any step with an error naming the op
+and its layer; every control trains exactly: its weights equal noiseless DP-SGD from
+single-example `tf.GradientTape` gradients. Python code (`tf.py_function`) is refused whatever it
+computes: nothing in the graph shows what it reads.
 """
 
 import numpy as np
@@ -111,6 +112,12 @@ _MIXING = {
     # (B, 3) → (3, B): rows of the batch's values in another order, normalized across examples.
     "reshape_across_rows": (_floats(lambda h: tf.reshape(tf.nn.softmax(
         tf.reshape(h, [3, -1]), axis=1), [-1, 3]), "swap"), "swap"),
+    # (B, 3) → (B/2, 6): each row holds two whole examples, normalized together.
+    "reshape_merging_examples": (_floats(lambda h: tf.reshape(tf.nn.softmax(
+        tf.reshape(h, [-1, 6]), axis=1), [-1, 3]), "pairs"), "pairs"),
+    # The same to a shape computed at run time, its leading size not a multiple of the batch's.
+    "reshape_to_computed_rows": (_floats(lambda h: tf.reshape(tf.nn.softmax(tf.reshape(
+        h, tf.stack([tf.shape(h)[0] // 2, -1])), axis=1), tf.shape(h)), "halves"), "halves"),
     "python_code": (_floats(_python_center, "python"), "python"),
 }
 
@@ -120,7 +127,8 @@ class _Controls(L.Layer):
   """The family's ops within each example, side by side: integer ids made from each example's
   values through xor and a string hash into embeddings, and roll, sort, cumulative sum, gather,
   outer product, asinh, segment sum, a while loop and a softmax over rows reshaped within the
-  example along the features of a dense layer's output."""
+  example (to static shapes and to shapes computed at run time) along the features of a dense
+  layer's output."""
 
   def build(self, shape):
     self.dense = L.Dense(3, activation="tanh")
@@ -132,9 +140,11 @@ class _Controls(L.Layer):
     outer = tf.reshape(tf.matmul(h[:, :, None], h[:, None, :]), [-1, 9])
     segments = tf.transpose(tf.math.unsorted_segment_sum(tf.transpose(h), [0, 1, 0], 2))
     rows = tf.reshape(tf.nn.softmax(tf.reshape(outer, [-1, 3]), axis=1), [-1, 9])  # 3 an example.
+    computed = tf.reshape(tf.nn.softmax(tf.reshape(outer, tf.stack([tf.shape(outer)[0] * 3, -1])),
+                                        axis=1), tf.shape(outer))  # The same, shapes at run time.
     parts = [tf.reshape(self.xor_embedding(_xor(ids)), [-1, 6]), tf.roll(h, 1, axis=1),
              tf.sort(h, axis=-1), tf.cumsum(h, axis=1), tf.gather(h, [2, 0, 1], axis=1), outer,
-             tf.math.asinh(h), segments, _columns_summed(h), rows]
+             tf.math.asinh(h), segments, _columns_summed(h), rows, computed]
     return tf.concat(parts, axis=1)
 
 

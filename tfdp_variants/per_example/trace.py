@@ -30,6 +30,7 @@ kept in `cache.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterator, Optional
 
 import tensorflow as tf
@@ -57,10 +58,15 @@ class Batch:
   (T, B, O)); `RAGGED` for the flat values of a ragged argument (rows in example order, the
   examples' boundaries in its row splits), followed by the names of the splits tensors, outermost
   first, that partition the rows into examples (`ragged_rows`).
+
+  `rows`: a number that divides how many consecutive entries along `axis` each example holds (1
+  for one entry an example; more after a reshape split each example's row: Keras 2's Dense on
+  (B, T, K), (B·T, K)); a reshape merges up to that many entries into one (`ops/layout.py`).
   """
 
   axis: Optional[int]
   block: tuple = ()
+  rows: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +128,10 @@ def join(a: Info, b: Info) -> Info:
     return None
   if a == b or b == NO_BATCH:
     return a
-  return b if a == NO_BATCH else None
+  if a == NO_BATCH:
+    return b
+  same = (a.axis, a.block) == (b.axis, b.block)
+  return dataclasses.replace(a, rows=math.gcd(a.rows, b.rows)) if same else None
 
 
 # How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` (a number of
@@ -233,14 +242,19 @@ def _outputs(op: tf.Operation, rule: registry.OpRule, ins: list[Info], memo: dic
 
 
 def _kept_blocks(rule: registry.OpRule, out: Info, ins: list[Info]) -> Info:
-  """`out` of an axis rule, its block order kept only when every batched input has it: rows of a
-  blocked (or merged) tensor and of an example-major one hold different examples."""
+  """`out` of an axis rule, its block order kept only when every batched input has it (rows of a
+  blocked or merged tensor and of an example-major one hold different examples), and its `rows`
+  those the batched inputs share."""
   blocks = {i.block for i in ins if i.axis is not None}
   block = {b for b in blocks if b}
   if block and out is not None and not rule.own_blocks:
     block = block.pop()  # A window's rows stay the window's through any rule.
     out = dataclasses.replace(out, block=block) if (
         (rule.block_safe or block[:1] == WINDOW) and len(blocks) == 1) else None
+  if batched(out) and not rule.own_blocks:
+    # Entry e of the output's batch axis is entry e's of the batched inputs' (a rule maps their
+    # batch axis to the output's or refuses): each example keeps its entries (`Batch.rows`).
+    out = dataclasses.replace(out, rows=math.gcd(*(i.rows for i in ins if batched(i))) or 1)
   return out
 
 _WRITE_FIX = (" (a stateful RNN's state, a running statistic written in call, weights perturbed "
@@ -362,8 +376,8 @@ def loss_info(loss: tf.Tensor, constants: Optional[int] = None) -> Info:
 def per_example_rows(info: Info) -> bool:
   """Whether `info` proves row i of a loss to be example i's alone: the batch on axis 0, or a
   window of it (`ops/layout.py`)."""
-  return isinstance(info, Batch) and info.axis == 0 and (not info.block or
-                                                         info.block[:1] == WINDOW)
+  return isinstance(info, Batch) and info.axis == 0 and info.rows == 1 and (
+      not info.block or info.block[:1] == WINDOW)
 
 
 def lost_at(loss: tf.Tensor, constants: Optional[int] = None) -> Optional[str]:

@@ -25,6 +25,7 @@ from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
 from tfdp_variants.per_example import trace
 from tfdp_variants.per_example.ops import registry
+from tfdp_variants.per_example.ops import sizes as S
 
 
 def summed_rows(d: tf.Tensor, dims: list[int], axis: int, m: tf.Tensor,
@@ -45,30 +46,24 @@ def summed_rows(d: tf.Tensor, dims: list[int], axis: int, m: tf.Tensor,
 
 
 def _batch_entry(shape: tf.Tensor, k: int) -> bool:
-  """Whether entry k of the shape vector `shape` is the number of examples: `Shape(x)` of an x
-  whose examples lie on axis k, or a Pack whose entry k is `Shape(x)[j]`, x's examples on axis j
-  (Keras' `ops.shape(x)` of an unknown batch size)."""
-  shape = G.skip_identity(shape)
-  if shape.op.type == "Shape":
-    return trace.batch_axis(shape.op.inputs[0]) == k
-  if shape.op.type != "Pack" or shape.op.get_attr("axis") != 0 or k >= len(shape.op.inputs):
-    return False
-  entry = G.skip_identity(shape.op.inputs[k]).op
-  if (entry.type != "StridedSlice" or entry.inputs[0].op.type != "Shape"
-      or entry.get_attr("shrink_axis_mask") != 1 or G.constant_value(entry.inputs[3]) != [1]
-      or any(entry.get_attr(f"{mask}_mask") for mask in ("begin", "end", "ellipsis", "new_axis"))):
-    return False
-  begin = G.constant_value(entry.inputs[1])
-  return begin is not None and trace.batch_axis(entry.inputs[0].op.inputs[0]) == begin[0]
+  """Whether entry k of the shape vector `shape` is the number of examples: `Shape(x)[j]` of an x
+  whose examples lie on axis j (`ops/sizes.py`: `Shape(x)`, a Pack of Keras' `ops.shape(x)` of an
+  unknown batch size)."""
+  dim = S.entry(shape, k, (), {}).dim
+  return dim is not None and trace.batch_axis(dim[0]) == dim[1]
 
 
 def _examples_kept(z: tf.Tensor, k: int, readers: list[tf.Operation], sized: bool) -> bool:
   """Whether each op in `readers` (those reading `z` among the ops the loss depends on) keeps z's
   axis k the examples' axis of its output: a concatenation along another axis, or an
   elementwise op (`_READERS`) of z's rank where z is not broadcast along k (`sized`: z's size
-  there is the number of examples; else both sizes static and equal)."""
+  there is the number of examples; else both sizes static and equal); with `sized`, a reshape
+  the analysis proves keeps the examples' rows (SigLIP's MAP-head probe, `ops.repeat` over the
+  batch: a Tile of a new axis, then a reshape merging it away)."""
   for op in readers:
     out = op.outputs[0]
+    if op.type == "Reshape" and sized and trace.batch_axis(out) is not None:
+      continue  # z of the batch's size on k, reshaped keeping each example's rows (`ops/layout`).
     if out.shape.rank != z.shape.rank or trace.batch_axis(out) != k:
       return False
     if op.type == "ConcatV2":
@@ -95,7 +90,8 @@ def expand_use(op: tf.Operation, var_input: tf.Tensor,
   if (not readers or z.shape.rank is None or not w.shape.is_fully_defined()
       or w.shape.rank > z.shape.rank):
     return None
-  k = trace.batch_axis(readers[0].outputs[0])
+  k = trace.batch_axis(z)  # A copy to the batch's size (`_copied_to_batch`), else as read.
+  k = trace.batch_axis(readers[0].outputs[0]) if k is None else k
   dims = [1] * (z.shape.rank - w.shape.rank) + w.shape.as_list()
   if k is None or k >= len(dims) or dims[k] != 1:
     return None
@@ -103,7 +99,8 @@ def expand_use(op: tf.Operation, var_input: tf.Tensor,
     multiples = tf.get_static_value(op.inputs[1], partial=True)
     if multiples is None or any(multiples[i] != 1 for i in range(len(dims)) if i != k):
       return None
-  return Expanded(z, k) if _examples_kept(z, k, readers, _batch_entry(op.inputs[1], k)) else None
+  sized = trace.batch_axis(z) == k or _batch_entry(op.inputs[1], k)
+  return Expanded(z, k) if _examples_kept(z, k, readers, sized) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +212,9 @@ def _filled_rows(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optiona
   """A Fill whose dims take the batch size from the axis of t that holds the examples."""
   del ins
   fill = _fill_rows(op)
-  if fill is not None and memo[fill[0].name] == trace.Batch(fill[1]):
-    return [trace.Batch(fill[2])]
+  info = None if fill is None else memo[fill[0].name]
+  if trace.batched(info) and info.axis == fill[1] and not info.block:
+    return [trace.Batch(fill[2], rows=info.rows)]  # B·rows entries on that axis.
   return None
 
 
@@ -235,33 +233,19 @@ def _tile(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
 
 
 def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[trace.Batch]:
-  """A Tile or BroadcastTo of a tensor of no example, of size 1 on axis k, to the batch size there
-  (`ops.repeat` of KerasHub DeBERTa's relative-position table over the batch): Batch(k), copy b
-  taken as example b's (it depends on no example, so on none but b's); None otherwise."""
-  x, sizes, rank = op.inputs[0], G.skip_identity(op.inputs[1]), G.rank(op.outputs[0])
-  if sizes.op.type == "Pack" and sizes.op.get_attr("axis") == 0:
-    axes = [k for k, e in enumerate(sizes.op.inputs) if _batch_size(e, memo)]
-  else:
-    axes = []
-  if len(axes) != 1 or G.rank(x) is None or rank is None:
+  """A Tile or BroadcastTo of a tensor of no example, of size 1 on axis k, to a multiple of the
+  batch size there (`ops/sizes.py`: `ops.repeat` of KerasHub DeBERTa's relative-position table
+  over the batch): Batch(k), copy b taken as example b's (it depends on no example, so on none
+  but b's), as many entries an example as the size proves; None otherwise."""
+  x, rank = op.inputs[0], G.rank(op.outputs[0])
+  if G.rank(x) is None or rank is None:
     return None
-  k, pad = axes[0], rank - G.rank(x)
-  return trace.Batch(k) if k < pad or x.shape[k - pad] == 1 else None
-
-
-def _batch_size(t: tf.Tensor, memo: dict) -> bool:
-  """Whether scalar `t` is `Shape(x)[j]` of an x whose examples lie on axis j (through Cast,
-  Identity and Reshape of one element)."""
-  while t.op.type in ("Identity", "Cast", "Reshape") and t.op.inputs[0].shape.num_elements() == 1:
-    t = t.op.inputs[0]
-  op = t.op
-  if (op.type != "StridedSlice" or op.inputs[0].op.type != "Shape"
-      or op.get_attr("shrink_axis_mask") != 1 or G.constant_value(op.inputs[3]) != [1]
-      or any(op.get_attr(f"{m}_mask") for m in ("begin", "end", "ellipsis", "new_axis"))):
-    return False
-  begin, x = G.constant_value(op.inputs[1]), op.inputs[0].op.inputs[0]
-  j = None if begin is None else G.norm(begin[0], G.rank(x))
-  return j is not None and memo.get(x.name) == trace.Batch(j)
+  found = [(k, S.entry(op.inputs[1], k, (), memo).multiple) for k in range(rank)]
+  found = [(k, c) for k, c in found if c is not None]
+  if len(found) != 1:
+    return None
+  (k, c), pad = found[0], rank - G.rank(x)
+  return trace.Batch(k, rows=c) if k < pad or x.shape[k - pad] == 1 else None
 
 
 def _copied_to_batch(op: tf.Operation, ins: list[trace.Info],

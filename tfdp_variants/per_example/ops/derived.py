@@ -8,12 +8,18 @@ The analysis takes copy b of z for example b's (`ops/broadcast.py`, `_copied_to_
 reaches example b's loss alone, so example b's loss reads w only through z[b] = f(w) and, by the
 chain rule, g_b = J_fᵀ c_b with c_b = Σ over r's broadcast axes of dz[b].
 
-A use of w matches when its op's outputs and every op after them up to one Tile or BroadcastTo to
-the batch (the region f) depend on no example (`trace.NO_BATCH`). The region is pulled back per
-microbatch (`tf.vectorized_map` over the c_b: one backward pass of f each, f free of examples and
-small next to the model), and each use takes its own share, the backward pass through its op
-alone (the op's other inputs held constant), so that the shares of a variable's several uses in
-f (the table's mean, variance and centred value) add up to its gradient.
+The same holds of a table combined linearly with every example, r broadcast along the examples:
+z = x ± r (a position table sliced, reshaped or interpolated before it is added, as KerasHub's
+CLIP and SigLIP vision towers and Swin's, GPT-OSS's and T5's relative-position biases do; T5's
+over a key length known at run time only), c_b = ±Σ over r's broadcast axes of dz[b]; z = x·r
+(Qwen3.5's decay, -exp(A_log), scaling every example's state), c_b = Σ of dz[b]·x[b].
+
+A use of w matches when its op's outputs and every op after them up to one such op (the region f)
+depend on no example (`trace.NO_BATCH`). The region is pulled back per microbatch
+(`tf.vectorized_map` over the c_b: one backward pass of f each, f free of examples and small next
+to the model), and each use takes its own share, the backward pass through its op alone (the
+op's other inputs held constant), so that the shares of a variable's several uses in f (the
+table's mean, variance and centred value) add up to its gradient.
 """
 
 from __future__ import annotations
@@ -34,13 +40,17 @@ FAMILY = registry.Family(__name__)
 @dataclasses.dataclass(frozen=True)
 class Derived:
   """A proven use (`derived_use`): `op` reads w through `var_input`, the region after it ends in
-  `probe`, a copy to the batch (its examples on `axis`) of the region's output `source`."""
+  `probe`, linear in the region's output `source` and copying it to every example (its examples
+  on `axis`): probe = sign·source (Tile, BroadcastTo, AddV2, Sub) or probe = source·`factor`
+  (Mul, `factor` the batched operand), source broadcast along the examples."""
 
   probe: tf.Tensor
   op: tf.Operation
   var_input: tf.Tensor
   source: tf.Tensor
   axis: int
+  sign: int = 1
+  factor: Optional[tf.Tensor] = None
 
 
 def _free(op: tf.Operation) -> bool:
@@ -48,19 +58,36 @@ def _free(op: tf.Operation) -> bool:
   return bool(op.outputs) and all(trace.batch_info(t) == trace.NO_BATCH for t in op.outputs)
 
 
-def _copy_axis(op: tf.Operation, source: tf.Tensor) -> Optional[int]:
-  """The axis along which `op`, a Tile or BroadcastTo of `source` (static shape) to the batch,
-  copies it to every example (Tile: every other multiple 1); None for any other op."""
-  if op.type not in ("Tile", "BroadcastTo") or not G.same(op.inputs[0], source):
+_LINEAR = ("AddV2", "Add", "Sub", "Mul")
+
+
+def _copy(op: tf.Operation, source: tf.Tensor) -> Optional[tuple[int, int, Optional[tf.Tensor]]]:
+  """(axis, sign, factor) of `op` copying `source` (of known rank) to every example, along the
+  axis of its output that holds them: a Tile (every other multiple 1) or BroadcastTo of it to the
+  batch; an AddV2, Sub or Mul of it with batched data along whose examples it broadcasts (a
+  position table added to every example's embeddings: KerasHub's CLIP and SigLIP towers, Swin's
+  and T5's relative-position biases; a decay scaling every example's state: Qwen3.5's A_log).
+  None for any other op."""
+  if op.type in _LINEAR:
+    others = [t for t in op.inputs if not G.same(t, source)]
+    if len(others) != 1:
+      return None
+  elif op.type not in ("Tile", "BroadcastTo") or not G.same(op.inputs[0], source):
     return None
   k, rank = trace.batch_axis(op.outputs[0]), op.outputs[0].shape.rank
-  if k is None or rank is None or not source.shape.is_fully_defined():
+  if k is None or rank is None or source.shape.rank is None:
     return None
   if op.type == "Tile":
     multiples = tf.get_static_value(op.inputs[1], partial=True)
     if multiples is None or any(multiples[i] != 1 for i in range(rank) if i != k):
       return None
-  return k
+  if op.type in ("Tile", "BroadcastTo"):
+    return (k, 1, None) if source.shape.is_fully_defined() else None
+  pad = rank - source.shape.rank
+  if pad < 0 or (k >= pad and source.shape[k - pad] != 1):
+    return None  # The table itself would vary along the examples.
+  sign = -1 if op.type == "Sub" and G.same(op.inputs[1], source) else 1
+  return k, sign, others[0] if op.type == "Mul" else None
 
 
 def derived_use(op: tf.Operation, var_input: tf.Tensor,
@@ -78,25 +105,37 @@ def derived_use(op: tf.Operation, var_input: tf.Tensor,
         region.add(reader)
         frontier.extend(reader.outputs)
         continue
-      k = _copy_axis(reader, t)
-      if k is None or (copy is not None and copy[0] is not reader):
+      found = _copy(reader, t)
+      if found is None or (copy is not None and (copy[0] is not reader or not G.same(copy[1], t))):
         return None
-      copy = (reader, k)
+      copy = (reader, t, found)
   if copy is None:
     return None
-  reader, k = copy
-  return Derived(reader.outputs[0], op, var_input, reader.inputs[0], k)
+  reader, source, (k, sign, factor) = copy
+  return Derived(reader.outputs[0], op, var_input, source, k, sign, factor)
 
 
 def _cotangents(use: Derived, grad: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
-  """(M, *source.shape): c_b = Σ over the source's broadcast axes of dz[b], summed by microbatch."""
-  rank, shape = grad.shape.rank, use.source.shape.as_list()
-  dims = [1] * (rank - len(shape)) + shape
-  broadcast = [i for i in range(rank) if i != use.axis and dims[i] == 1]
-  d = tf.reduce_sum(tf.cast(grad, use.source.dtype), axis=broadcast, keepdims=True)
-  d = tf.transpose(d, [use.axis] + [i for i in range(rank) if i != use.axis])
-  return tf.reshape(tf.reduce_sum(tf.reshape(d, [m, -1, use.source.shape.num_elements()]), 1),
-                    [m, *shape])
+  """(M, *source.shape): c_b = Σ over the source's broadcast axes of sign·dz[b] (times the factor
+  for Mul), summed by microbatch. The broadcast axes are the source's static size-1 axes, or with
+  sizes unknown until run time, those of size 1 then (T5's bias over a key length unknown)."""
+  source, k = use.source, use.axis
+  d = tf.cast(grad, source.dtype) * use.sign
+  if use.factor is not None:
+    d = d * tf.cast(use.factor, source.dtype)
+  rank, pad = d.shape.rank, d.shape.rank - source.shape.rank
+  dims = [1] * pad + source.shape.as_list()
+  if source.shape.is_fully_defined():
+    d = tf.reduce_sum(d, axis=[i for i in range(rank) if i != k and dims[i] == 1], keepdims=True)
+    size, shape = source.shape.num_elements(), source.shape.as_list()
+  else:
+    sizes = tf.concat([tf.ones([pad], tf.int32), tf.shape(source, out_type=tf.int32)], 0)
+    units = tf.logical_and(tf.equal(sizes, 1), tf.not_equal(tf.range(rank), k))
+    d = tf.reduce_sum(d, axis=tf.reshape(tf.where(units), [-1]), keepdims=True)
+    size, shape = tf.size(source), tf.shape(source)
+  d = tf.transpose(d, [k] + [i for i in range(rank) if i != k])
+  return tf.reshape(tf.reduce_sum(tf.reshape(d, [m, -1, size]), 1),
+                    tf.concat([[m], shape], 0) if isinstance(shape, tf.Tensor) else [m, *shape])
 
 
 def derived_factor(use: Derived, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSpec) -> F.Dense:

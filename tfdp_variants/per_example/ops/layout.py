@@ -12,6 +12,7 @@ import tensorflow as tf
 from tfdp_variants.per_example import graph as G
 from tfdp_variants.per_example import trace
 from tfdp_variants.per_example.ops import registry
+from tfdp_variants.per_example.ops import sizes as S
 
 
 FAMILY = registry.Family(__name__)
@@ -58,7 +59,8 @@ def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.
   """`_reshape` of unblocked data, neither shape holding a static size-1 axis but the batch."""
   b = info.axis
   if b == 0:
-    return trace.Batch(0) if y.rank and _rows_kept(x, y) else None
+    rows = _rows_after(x, y, info.rows) if y.rank else None
+    return None if rows is None else trace.Batch(0, rows=rows)
   same = y.rank > b and all(
       p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
   if same:
@@ -71,22 +73,69 @@ def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.
   return None
 
 
-def _rows_kept(x: tf.TensorShape, y: tf.TensorShape) -> bool:
-  """Whether a reshape x → y of rows on axis 0 keeps each new row within whole rows: the trailing
-  sizes divide one another; where a row of x has unknown sizes, a row of y divides its static
-  part (so it divides the row whatever the unknown sizes are); where only the leading sizes are
-  known, they divide one another. A static leading size out of rows of unknown number,
-  (B, 8) → (8, B), is refused: it cannot follow B, so its rows straddle examples for every B
-  that 8 is not a multiple or divisor of. Left to the self-check: a row of y of unknown size
-  under a leading axis of unknown size (a reshape to a shape computed at run time)."""
-  tail_x, tail_y = x[1:].num_elements(), y[1:].num_elements()
-  if tail_x is not None and tail_y is not None:
-    return not (tail_x % tail_y and tail_y % tail_x)
+def _rows_after(x: tf.TensorShape, y: tf.TensorShape, rows: int) -> Optional[int]:
+  """The `trace.Batch.rows` of y, for a reshape x → y of rows on axis 0 of which each example
+  holds a multiple of `rows`: proven where each row of y lies within one example, so that a
+  reshape splitting each example's entries into rows, and one merging at most as many back, keep
+  the examples. An example holds a multiple of `rows` times the static part of x's row; with y's
+  row of unknown size, the leading sizes of both must be static. Unproven (None): a static leading
+  size out of rows of unknown number, (B, 8) → (8, B); a row of y holding whole examples,
+  (B, 4) → (B/2, 8); a row of y of unknown size under a leading axis of unknown size (a shape
+  computed at run time: `_computed_rows` may prove it)."""
+  tail_y = y[1:].num_elements()
   if tail_y is not None:
-    return math.prod(d for d in x[1:].as_list() if d is not None) % tail_y == 0
-  if y[0] is None:
-    return True
-  return x[0] is not None and not (x[0] % y[0] and y[0] % x[0])
+    entries = rows * math.prod(d for d in x[1:].as_list() if d is not None)
+    return entries // tail_y if entries and tail_y and entries % tail_y == 0 else None
+  if x[0] and y[0] and y[0] % x[0] == 0:
+    return rows * (y[0] // x[0])
+  if x[0] and y[0] and x[0] % y[0] == 0 and rows % (x[0] // y[0]) == 0:
+    return rows // (x[0] // y[0])
+  return None
+
+
+def _computed_rows(op: tf.Operation, ins: list[trace.Info], memo: dict
+                   ) -> Optional[list[trace.Info]]:
+  """`_reshape`, or for a reshape of rows (the examples on x's first axis of more than one entry)
+  to a shape computed at run time (`ops/sizes.py`), the rows regrouped where each example still
+  holds whole rows: the new leading size is a multiple c·B of the number of examples (Keras 2's
+  `tf.tensordot` on (B, T, K) with T unknown, KerasHub's heads reshaped to `(B, T, H, D)` of
+  `ops.shape`), or the new row is made of x's own sizes and of static sizes that divide each
+  example's entries (`(-1, Shape(x)[-1])`: TensorFlow's sparse cross-entropy on (B, T, V) logits;
+  `_tail_rows`). Each proof gives a number dividing each example's rows; they combine by least
+  common multiple. A window's rows (`_window`) are its examples."""
+  x = ins[0]
+  if (not trace.batched(x) or x.block[:1] not in ((), trace.WINDOW) or ins[1].axis is not None
+      or op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None):
+    return None
+  static = _reshape(op, ins)
+  _, from_x = _without_units(op.inputs[0].shape, x.axis)
+  _, from_y = _without_units(op.outputs[0].shape)
+  if from_x.index(x.axis) != 0 or not from_y:
+    return None
+  p = from_y[0]
+  entries = [S.entry(op.inputs[1], i, x.block, memo) for i in range(op.outputs[0].shape.rank)]
+  proofs = [entries[p].multiple, _tail_rows(entries[p + 1:], op.inputs[0], x.axis, x.rows)]
+  if static is not None and (static.axis, static.block) == (p, x.block):
+    proofs.append(static.rows)
+  proofs = [c for c in proofs if c is not None]
+  return [trace.Batch(p, x.block, rows=math.lcm(*proofs))] if proofs else None
+
+
+def _tail_rows(tail: list[S.Size], x: tf.Tensor, b: int, rows: int) -> Optional[int]:
+  """The rows of each example after a reshape of x (its examples on axis b, all axes before it
+  static units) whose new row has the sizes `tail`: proven where each is one of x's own sizes
+  after b (each at most once) or a static size, the static sizes dividing `rows` times x's
+  static sizes left over (each example's entries are then whole rows); None otherwise."""
+  left, divisor = set(range(b + 1, x.shape.rank)), 1
+  for size in tail:
+    if size.dim is not None and G.same(size.dim[0], x) and size.dim[1] in left:
+      left.remove(size.dim[1])
+    elif size.value is not None and size.value >= 1:
+      divisor *= size.value
+    else:
+      return None
+  entries = rows * math.prod(x.shape[j] for j in left if x.shape[j] is not None)
+  return entries // divisor if entries % divisor == 0 else None
 
 
 def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
@@ -304,7 +353,7 @@ def _batch_to_space(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   if ins[0].axis != 0 or block is None or ins[0].block != tuple(block) or any(
       i.axis is not None for i in ins[1:]):
     return None
-  return trace.Batch(0)
+  return trace.Batch(0, rows=ins[0].rows)  # The rows that entered the SpaceToBatchND.
 
 
 def _windowed(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
@@ -312,7 +361,10 @@ def _windowed(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[l
   return None if window is None else [window]
 
 
-FAMILY.ops(["Reshape"], axis=_reshape, own_blocks=True)
+FAMILY.ops(["Reshape"], axis=_reshape, known=_computed_rows, own_blocks=True, unknown_why=(
+    "is a reshape not proven to keep each example's entries in rows of their own (a row may hold "
+    "several examples, or the new leading size is not shown to follow the batch size: compute it "
+    "from tf.shape(x)[0], or reshape the axes after the batch axis only)"))
 FAMILY.ops(["Transpose"], axis=_transpose)
 FAMILY.ops(["ExpandDims"], axis=_expand_dims, block_safe=True)
 FAMILY.ops(["Squeeze"], axis=_squeeze, block_safe=True)
