@@ -128,7 +128,8 @@ MODELS: dict[str, Callable] = {
     # table gathered, then added to every example's scores), CLIP's and SigLIP's vision towers (a
     # position table sliced before it is added; SigLIP's pooling probe repeated over the batch),
     # T5 (a relative-position bias over a key length known at run time only), GPT-OSS (attention
-    # sinks, experts).
+    # sinks, experts), Qwen3.5 (linear attention: a decay -exp(A_log) scaling each example's
+    # state, a convolution kernel read transposed).
     "swin": lambda: (M.SwinTransformerImageClassifier(backbone=M.SwinTransformerBackbone(
         image_shape=IMAGE, embed_dim=8, depths=[2], num_heads=[2], window_size=2, patch_size=2,
         drop_path=0.0), num_classes=3, preprocessor=None), _images()),
@@ -143,6 +144,10 @@ MODELS: dict[str, Callable] = {
         intermediate_dim=32, dropout=0.0), preprocessor=None), _seq2seq()),
     "gpt_oss": _causal(M.GptOssBackbone, num_experts=4, top_k=2, head_dim=8, sliding_window=4,
                        **LLAMA),
+    "qwen3_5": _causal(M.Qwen3_5Backbone, head_dim=8,
+                       layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                       linear_conv_kernel_dim=4, **LLAMA),
     "vit": _image_classifier(M.ViTBackbone, mlp_dim=32, **VISION),
     "deit": _image_classifier(M.DeiTBackbone, intermediate_dim=32, **VISION),
     "dinov2": lambda: _pooled(M.DINOV2Backbone(

@@ -1,6 +1,6 @@
 """The rules KerasHub's models needed, on plain Keras layers (every stack): a weight broadcast or
 tiled to the batch, a block of a table read by a Slice or by constant consecutive ids, a kernel read
-transposed, an Add of a constant, an Einsum with an expert axis, and the axis rules behind them
+transposed (by a product, or by another rule), an Add of a constant, an Einsum with an expert axis, and the axis rules behind them
 (an ellipsis slice, an FFT, a gather with batch dims). Per-example gradients against
 single-example tapes, the rule of each variable pinned."""
 
@@ -47,6 +47,11 @@ def _position_ids(layer, x):
   return x + tf.gather(layer.w[0], tf.constant([list(range(1, T + 1))]))
 
 
+def _transposed_scale(layer, x):
+  """Qwen3.5's convolution kernel: a 2-D weight read transposed by an op that is no product."""
+  return x * tf.transpose(layer.w[0])
+
+
 def _one_plus_scale(layer, x):
   """Gemma's RMSNorm: x · (1 + scale)."""
   return x * (1.0 + layer.w[0])
@@ -90,6 +95,7 @@ CASES = {
     "position_ids": (lambda: _model(_position_ids, (T + 2, D)),
                      [per_stack("rowsum", "derived"), *DENSE]),
     "one_plus_scale": (lambda: _model(_one_plus_scale, (D,)), ["rowsum", *DENSE]),
+    "transposed_scale": (lambda: _model(_transposed_scale, (D, T)), ["rowsum", *DENSE]),
     "experts": (lambda: _model(_experts, (2, D, 3), (2, 3, D)), ["outer", "grouped", *DENSE]),
     "ellipsis_slice": (lambda: _model(_ellipsis, (D, D)), ["rowsum", *DENSE]),
     "fft": (lambda: _model(_fft, (D, D)), ["outer", *DENSE]),

@@ -336,7 +336,11 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShap
       sub = ([dataclasses.replace(use, transposed=True)]
              if use is not None and use.kind in _TRANSPOSABLE else None)
     elif slot is None and not transposed and perm is None and _swaps(op, tensor):
-      sub = _uses_of(op.outputs[0], forward, shape, sign, transposed=True)
+      # Wᵀ read by products (their rules take it transposed), else by other rules as a
+      # permutation (Qwen3.5's convolution kernel: Wᵀ expanded, then convolved).
+      sub = (_uses_of(op.outputs[0], forward, shape, sign, transposed=True)
+             or _uses_of(op.outputs[0], forward, tf.TensorShape([shape[1], shape[0]]), sign,
+                         perm=(1, 0)))
     elif permuted is not None:
       sub = _uses_of(op.outputs[0], forward, tf.TensorShape([shape[i] for i in permuted]), sign,
                      perm=permuted)
