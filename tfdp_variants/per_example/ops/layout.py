@@ -37,10 +37,11 @@ def _reshape_rows(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   """Reshape keeps an example-major leading axis: examples are contiguous blocks of the flat data.
 
   Size-1 axes are dropped on both sides first (they move no element: LayerNormalization's
-  (1, B·T, K, 1), of (B, T, K) or time-major (T, B, K) data). The new leading axis holds whole
-  examples unless static shapes prove a row straddles two (the trailing sizes do not divide one
-  another); an axis after other non-unit axes is kept only when all axes up to it are unchanged,
-  or merged with the static axes before it (time-major rows, `trace.MERGED`) when all after it are.
+  (1, B·T, K, 1), of (B, T, K) or time-major (T, B, K) data). The new leading axis keeps the
+  examples only where each new row is proven to lie within one (`_rows_after`; shapes computed
+  at run time: `_computed_rows`); an axis after other non-unit axes is kept only when all axes up
+  to it are unchanged, or merged with the static axes before it (time-major rows,
+  `trace.MERGED`) when all after it are.
   """
   if ins[1].axis is not None or op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
     return None
