@@ -78,9 +78,10 @@ def test_fit_with_jit_compile():
 
 
 def test_self_check_under_jit_compile(monkeypatch):
-  """XLA drops assertions. fit checks on a synthetic batch without XLA first, so a broken engine
-  is refused before any step; a custom loop compiled by XLA cannot raise: a failed check turns
-  the updates NaN (nothing trains, nothing leaks) and `raise_if_self_check_failed` raises."""
+  """XLA drops assertions. fit and train_on_batch check on a synthetic batch without XLA first,
+  so a broken engine is refused before any step; a custom loop compiled by XLA cannot raise: a
+  failed check turns the updates NaN (nothing trains, nothing leaks) and
+  `raise_if_self_check_failed` raises."""
   x, y = _data()
   model = _model()
   model.compile(optimizer=_optimizer(), loss=_LOSS, jit_compile=True)
@@ -93,6 +94,12 @@ def test_self_check_under_jit_compile(monkeypatch):
   before = model.get_weights()
   with pytest.raises(tf.errors.InvalidArgumentError, match="self-check failed"):
     model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+  for w, b in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, b)
+  model = _model()
+  model.compile(optimizer=_optimizer(), loss=_LOSS, jit_compile=True)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="self-check failed"):
+    model.train_on_batch(x[:B], y[:B])
   for w, b in zip(model.get_weights(), before):
     np.testing.assert_array_equal(w, b)
   model, optimizer = _model(), _optimizer()
@@ -110,12 +117,12 @@ class _OwnStep(tf.keras.Sequential):
     return super().train_step(*args, **kwargs)
 
 
-@pytest.mark.parametrize("data", ["arrays", "dataset", "own_train_step"])
+@pytest.mark.parametrize("data", ["arrays", "dataset", "own_train_step", "train_on_batch"])
 def test_fit_self_checks_a_synthetic_batch_not_the_data(data):
   """The self-check's outcome must not depend on the training data (an error on one dataset and
-  not its neighbour leaks): fit runs it on a synthetic batch of the data's structure before any
-  step, and its steps carry no check. Where fit cannot reproduce the step (a custom train_step),
-  the in-step check stays on the first batch."""
+  not its neighbour leaks): fit (and train_on_batch) runs it on a synthetic batch of the data's
+  structure before any step, and its steps carry no check. Where fit cannot reproduce the step (a
+  custom train_step), the in-step check stays on the first batch."""
   x, y = _data()
   model = _model()
   if data == "own_train_step":
@@ -124,6 +131,9 @@ def test_fit_self_checks_a_synthetic_batch_not_the_data(data):
   model.compile(optimizer=optimizer, loss=_LOSS)
   if data == "dataset":
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B), verbose=0)
+  elif data == "train_on_batch":
+    for s in range(STEPS):
+      model.train_on_batch(x[s * B:(s + 1) * B], y[s * B:(s + 1) * B])
   else:
     model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
   _assert_trained_exactly(model, x, y)

@@ -1,16 +1,19 @@
-"""The engine's self-check on a synthetic batch, before `fit` reads any training example.
+"""The engine's self-check on a synthetic batch, before `fit` (or `train_on_batch`) reads any
+training example.
 
 The self-check (`per_example.self_check`) compares the engine's per-example gradients with exact
 ones. Run on the first training batch, its outcome (pass, or an error) would depend on that
 batch's values: float32 rounding in a crafted example could fail it for one dataset and not its
 neighbour, and the error would reveal which (BUILD_NOTES, "The only output that depends on the
-data"). So `fit` of a DP model runs it first on a batch of the same structure whose values come
-from no example: floats standard normal, integers 0 (a valid id and label for every layer and
-loss), booleans True. It computes what Keras' `train_step` computes (the model in training mode,
-then the compiled per-example loss) through the same engine, and raises on a mismatch or on mixing
-as the in-step check would. Once a model passed for an input structure, the steps of its fits skip
-the in-step check, but only where a step's trace takes the very rules the check saw (a replica's
-step that reads its data in a cond and takes the fallback keeps it).
+data"). So `fit` and `train_on_batch` of a DP model run it first on a batch of the same structure
+whose values come from no example: floats standard normal, integers 0 (a valid id and label for
+every layer and loss), booleans True. It computes what Keras' `train_step` computes (the model in
+training mode, then the compiled per-example loss) through the same engine, and raises on a
+mismatch or on mixing as the in-step check would. Once a model passed for an input structure, its
+steps skip the in-step check (the step's graph is then about half as large, and its first trace
+half as long), but only where a step's trace takes the very rules the check saw (a replica's step
+that reads its data in a cond and takes the fallback keeps it). The check's own function is
+released before the step is traced, so the two graphs are never held at once.
 
 Where the step cannot be reproduced (a custom `train_step`, a distribution strategy, a generator
 or PyDataset input, strings) the in-step check stays, on the first batch.
@@ -39,8 +42,8 @@ def _specs(data: Any, batch_size: Optional[int]) -> Optional[tuple]:
                                        for a in tf.nest.flatten(data) if a is not None):
     spec = tf.nest.map_structure(
         lambda a: None if a is None else tf.TensorSpec(
-            (min(batch_size or 32, len(a)),) + tuple(np.shape(a))[1:], tf.as_dtype(np.asarray(a).dtype)
-            if not isinstance(a, tf.Tensor) else a.dtype), data)
+            (min(batch_size or 32, len(a)),) + tuple(np.shape(a))[1:],
+            a.dtype if isinstance(a, tf.Tensor) else tf.as_dtype(np.asarray(a).dtype)), data)
   else:
     return None
   leaves = [s for s in tf.nest.flatten(spec) if s is not None]
@@ -66,12 +69,12 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
 
   Returns the rule each variable took when it passed: a step of this fit whose trace takes the
   same rules skips the in-step check (`per_example.compute`'s `checked_rules`), any other keeps
-  it. None where the step cannot be reproduced (see the module doc) or the synthetic batch does not
-  fit the model (the in-step check then runs). Raises what the in-step check would raise (InvalidArgumentError on a
-  mismatch or on mixing), before any step.
+  it. None where the step cannot be reproduced (see the module doc) or the synthetic batch does
+  not fit the model (the in-step check then runs). Raises what the in-step check would raise
+  (InvalidArgumentError on a mismatch or on mixing), before any step.
   """
   if (tf.distribute.has_strategy() or type(model).train_step is not _KERAS_TRAIN_STEP or
-      not getattr(optimizer, "self_check", False) or not model.built):
+      not getattr(optimizer, "self_check", False)):
     return None
   specs = _specs(x if isinstance(x, tf.data.Dataset) else (x, y, sample_weight), batch_size)
   if specs is None:
@@ -86,6 +89,8 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
     return cache.PREFLIGHT_PASSED[model][key]
   xs, ys, ws = (None if s is None else tf.nest.map_structure(lambda t: _synthetic(t, batch), s)
                 for s in specs)
+  if not _build(model, (xs, ys, ws)):
+    return None
 
   @tf.function(autograph=False)
   def check(xs, ys, ws):
@@ -113,6 +118,22 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
       v.assign(value)
   cache.PREFLIGHT_PASSED.setdefault(model, {})[key] = rules[-1]
   return rules[-1]
+
+
+def _build(model: tf.keras.Model, batch: tuple) -> bool:
+  """Whether `model` is built, after building it and its optimizer as Keras 3's fit does under a
+  distribution strategy (symbolically: no value is computed). Built before the step, they create
+  no variable in its trace, which is then traced once, not twice. Keras 2 builds in the step."""
+  build = getattr(model, "_symbolic_build", None)
+  if build is not None:
+    try:
+      with model.distribute_strategy.scope():  # Mirrored, when the model was made in a scope.
+        build(data_batch=batch)
+    except ValueError:
+      raise  # The user's to fix (an input, an optimizer's option), as Keras' own build raises it.
+    except Exception:  # pylint: disable=broad-except
+      return False  # Keras' build in the step raises it again, where the user expects it.
+  return model.built
 
 
 def _state(model: tf.keras.Model, optimizer) -> list[tf.Variable]:

@@ -1,6 +1,6 @@
-"""What `fit` of a DP model does before and around Keras' own (patched by `stack.patches`), and
-`compile`'s one addition: the model's looped RNNs run `per_example.recurrence`'s loops (so does fit,
-for layers built after compile).
+"""What `fit` and `train_on_batch` of a DP model do before and around Keras' own (patched by
+`stack.patches`), and `compile`'s one addition: the model's looped RNNs run
+`per_example.recurrence`'s loops (so do fit and train_on_batch, for layers built after compile).
 
 Before the first step it refuses batches that would not split into `num_microbatches` (else the
 in-graph check stops fit at the partial last batch, after training on the earlier ones) and runs
@@ -8,6 +8,10 @@ the engine's self-check on a synthetic batch (`preflight`). While it runs, the p
 can check their sampling against the data it trains on (`fit_inputs`); when it ends, the
 optimizer's ledger segment closes (`sampling.close_segment`), so that later steps without a
 privacy callback are not accounted under this fit's sampling.
+
+`train_on_batch` runs the same synthetic-batch check (cached per input structure: once per model
+and structure), so that its step's graph carries no in-step check either (BUILD_NOTES, "The
+twenty-fourth pass": that check doubled the first step's time and added a third to peak memory).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from tfdp_variants.stack.version import keras
 
 
 class FitInputs:
-  """The data of a running `fit` of a DP model, as the privacy callbacks check it
-  (`tfdp_variants.sampling.of_fit`); `registered` is the sampling the first of them opened."""
+  """The data of a running `fit` (or `train_on_batch`) of a DP model, as the privacy callbacks
+  check it (`tfdp_variants.sampling.of_fit`); `registered` is the sampling the first of them
+  opened."""
 
   def __init__(self, x, batch_size: Optional[int], validation_split: float):
     self.x = x
@@ -83,6 +88,7 @@ def _refuse_partial_microbatches(microbatches: int, arguments: dict) -> None:
 
 
 keras_fit = keras.Model.fit
+keras_train_on_batch = keras.Model.train_on_batch
 keras_compile = keras.Model.compile
 
 
@@ -114,3 +120,23 @@ def fit(self, *args, **kwargs):
   finally:
     del cache.FIT_INPUTS[self]
     sampling.close_segment(optimizer, self.trainable_variables)
+
+
+@functools.wraps(keras_train_on_batch)
+def train_on_batch(self, *args, **kwargs):
+  """Keras' train_on_batch; for a DP optimizer, after the synthetic-batch check of `fit`."""
+  optimizer = unwrap(getattr(self, "optimizer", None))
+  if not is_dp(optimizer) or self in cache.FIT_INPUTS:
+    return keras_train_on_batch(self, *args, **kwargs)
+  arguments = inspect.signature(keras_train_on_batch).bind(self, *args, **kwargs).arguments
+  x = arguments.get("x")
+  sizes = [s[0] for s in (tf.TensorShape(getattr(t, "shape", None)) for t in tf.nest.flatten(x))
+           if s.rank and s[0] is not None]
+  recurrence.enable(self)
+  inputs = cache.FIT_INPUTS[self] = FitInputs(x, sizes[0] if sizes else None, 0.0)
+  try:
+    inputs.prechecked = preflight.run(self, optimizer, x, arguments.get("y"),
+                                      arguments.get("sample_weight"), inputs.batch_size)
+    return keras_train_on_batch(self, *args, **kwargs)
+  finally:
+    del cache.FIT_INPUTS[self]

@@ -1,11 +1,11 @@
 """The patches of Keras and TensorFlow, applied once by `install()` (idempotent).
 
 Each wrapper acts only where a DP optimizer is involved (`marker.is_dp`) and is Keras' or TF's own
-method everywhere else: `Model.compute_loss` (`model_loss`), `Model.fit` and `Model.compile`
-(`fit`; compile lets the looped RNNs run `per_example.recurrence`'s loops), the mixing
-layers' `call` (`eager_mixing`), TF's sparse cross entropy inside `losses.bounded_labels()` only,
-and the chosen Keras' own (`keras3.install`: `GradientTape.gradient` records its targets in
-graphs, two tf.distribute workarounds).
+method everywhere else: `Model.compute_loss` (`model_loss`), `Model.fit`,
+`Model.train_on_batch` and `Model.compile` (`fit`; compile lets the looped RNNs run
+`per_example.recurrence`'s loops), the mixing layers' `call` (`eager_mixing`), TF's sparse
+cross entropy inside `losses.bounded_labels()` only, and the chosen Keras' own (`keras3.install`:
+`GradientTape.gradient` records its targets in graphs, two tf.distribute workarounds).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def install() -> None:
   """Applies every patch (once: a second call changes nothing)."""
   _patch(keras.Model, "compute_loss", model_loss.compute_loss)
   _patch(keras.Model, "fit", fit.fit)
+  _patch(keras.Model, "train_on_batch", fit.train_on_batch)
   # On the class that defines it: Keras 3 skips compile when loading a model whose class's
   # compile differs from `Trainer.compile` ("custom").
   _patch(next(k for k in keras.Model.__mro__ if "compile" in vars(k)), "compile", fit.compile)
