@@ -155,6 +155,36 @@ def test_norms_summed_in_float32_take_float64_where_float32_cannot_hold_the_sum(
   np.testing.assert_allclose(outer_norms(a, d).numpy(), [1.6e-3, 64.0], rtol=1e-6)
 
 
+def test_ghost_norms_from_unscaled_grams_take_scaled_rows_where_float32_cannot_hold_them():
+  """The ghost norm's Grams of unscaled float32 rows (no pass to scale them) serve the ordinary
+  rows; a row whose Grams overflow, flush to zero, hold NaN or are zero takes the scaled rows, and
+  a row not kept is 0 whatever it holds. Against float64 NumPy."""
+  rng = np.random.default_rng(0)
+  a = rng.normal(size=(7, 3, 8)).astype(np.float32)  # (M, T, K): the ghost form (T·K·O > T²(K+O))
+  d = rng.normal(size=(7, 3, 8)).astype(np.float32)
+  a[1] = 0.0
+  a[2], d[2] = a[2] * 1e25, d[2] * 1e-25  # a's Gram overflows float32.
+  a[3], d[3] = a[3] * 1e-30, d[3] * 1e20  # a's Gram flushed to zero.
+  a[4, 0, 0] = np.nan
+  a[5] = np.inf  # Not kept.
+  d[6] *= 1e-14  # d's Gram's diagonal about 1e-27: above the flush bound O·2⁻¹⁰² ≈ 1.6e-30.
+  keep = np.array([True, True, True, True, True, False, True])
+  g = np.einsum("mtk,mto->mko", a.astype(np.float64), d.astype(np.float64))
+  want = np.sum(np.square(g), axis=(1, 2))
+  want[4], want[5] = np.inf, 0.0
+  kernel = tf.Variable(tf.zeros((8, 8)))
+  outer = per_example.factors.Outer(tf.constant(a), tf.constant(d), (8, 8), keep=tf.constant(keep))
+
+  @tf.function
+  def norms():
+    return per_example.PerExampleGradients([kernel], [outer], 7).squared_norms()[0]
+
+  np.testing.assert_allclose(norms().numpy(), want, rtol=1e-5)
+  fast = outer.squared_norms(exact=False).numpy()
+  assert np.isinf(fast[[1, 2, 3, 4]]).all() and fast[5] == 0.0
+  np.testing.assert_allclose(fast[[0, 6]], want[[0, 6]], rtol=1e-5)
+
+
 @pytest.mark.parametrize("poisoned", [False, True])
 def test_weighted_sum_is_the_same_whether_or_not_a_step_masks(poisoned):
   # The weighted sum reads the unmasked factors when every row is finite and the masked ones

@@ -86,6 +86,33 @@ def _ghost(gram_a: tf.Tensor, scale_a: tf.Tensor, d: tf.Tensor) -> tf.Tensor:
   return _nan_to_inf(total * scale_a * scale_d)
 
 
+# A float32 Gram entry a_t·a_s of K terms loses at most K·2⁻¹²⁶ to subnormals flushed to zero (in
+# its inputs or products) where |entries| ≤ 1, at most K·2⁻¹²⁶·max|a| beyond: under float32's
+# rounding of the Gram's largest entry (2⁻²⁴·max_t ‖a_t‖²) once max_t ‖a_t‖² ≥ K·2⁻¹⁰².
+_GRAM_FLUSH_BOUND = 2.0**-102
+
+
+def _ghost_unscaled(blocks: list[tf.Tensor], d: tf.Tensor, keep: Optional[tf.Tensor]
+                    ) -> tf.Tensor:
+  """`_ghost`'s (M,) Σ_{t,s} (a_t·a_s)(d_t·d_s), A = concat(blocks, -1), from float32 Gram
+  matrices of the unscaled rows: no pass to find and divide by each row's largest entry. +inf for
+  a row whose Grams float32 may not hold to its rounding (overflow, NaN, a largest diagonal entry
+  under the flush bound, a zero row): the caller takes the scaled sum for it (`exact=False`).
+  Rows not in `keep` are 0, whatever they hold."""
+  gram_a = tf.add_n([tf.matmul(b, b, transpose_b=True) for b in blocks])
+  gram_d = tf.matmul(d, d, transpose_b=True)
+  total = tf.reduce_sum(tf.cast(gram_a, tf.float64) * tf.cast(gram_d, tf.float64), axis=[1, 2])
+  held = tf.math.is_finite(total)
+  for gram, parts in ((gram_a, blocks), (gram_d, [d])):
+    width = tf.add_n([tf.shape(p)[-1] for p in parts])
+    smallest = tf.cast(width, tf.float32) * _GRAM_FLUSH_BOUND
+    held = tf.logical_and(held, tf.reduce_max(tf.linalg.diag_part(gram), axis=1) >= smallest)
+  if keep is not None:
+    held = tf.logical_or(held, tf.logical_not(keep))
+    total = tf.where(keep, total, tf.zeros([], tf.float64))
+  return tf.where(held, total, tf.constant(float("inf"), tf.float64))
+
+
 def _rows(x: tf.Tensor, keep: Optional[tf.Tensor]) -> tf.Tensor:
   """`x` with the rows (axis 0) not in `keep` set to zero, whatever they hold (inf, NaN)."""
   if keep is None:

@@ -8,7 +8,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfdp_variants.per_example.factors.base import OddFunction, Patches, _ghost, _matmul_rows
+from tfdp_variants.per_example.factors.base import OddFunction, Patches, _ghost, _ghost_unscaled
+from tfdp_variants.per_example.factors.base import _matmul_rows
 from tfdp_variants.per_example.factors.base import _nan_to_inf, _rows, _rows_scaled, _series_norms
 from tfdp_variants.per_example.factors.base import _series_sum, _sum_sq, _weighted_rows, _weights
 
@@ -118,6 +119,8 @@ class Outer:
     if self._prefers_materialized():
       return _sum_sq(self._full_blocks(), exact)
     # Ghost norm: ||Σ_t a_t d_tᵀ||² = Σ_{t,s} (a_t·a_s)(d_t·d_s), a_t·a_s summed over blocks.
+    if not exact and self.a.dtype == tf.float32:
+      return _ghost_unscaled(list(self.blocks or [self.a]), self.d, self.keep)
     scaled, scale_a = _rows_scaled([_rows(b, self.keep) for b in self.blocks or [self.a]])
     gram_a = tf.add_n([tf.matmul(b, b, transpose_b=True) for b in scaled])
     return _ghost(gram_a, scale_a, self._rows_d())
