@@ -126,13 +126,15 @@ def _build(model: tf.keras.Model, batch: tuple) -> bool:
   no variable in its trace, which is then traced once, not twice. Keras 2 builds in the step."""
   build = getattr(model, "_symbolic_build", None)
   if build is not None:
+    optimizer = getattr(model, "optimizer", None)
+    optimizer_built = getattr(optimizer, "built", True)
     try:
       with model.distribute_strategy.scope():  # Mirrored, when the model was made in a scope.
         build(data_batch=batch)
-    except ValueError:
-      raise  # The user's to fix (an input, an optimizer's option), as Keras' own build raises it.
     except Exception:  # pylint: disable=broad-except
-      return False  # Keras' build in the step raises it again, where the user expects it.
+      if not optimizer_built and getattr(optimizer, "built", False):
+        raise  # The optimizer's own (e.g. an option that does not fit the model), half built.
+      return False  # The model's: a symbolic call Keras' build in the step does not make.
   return model.built
 
 
