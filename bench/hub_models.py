@@ -24,6 +24,7 @@ intermediate 128, sequence 16, batch 4, 2 timed steps after 1.
 from __future__ import annotations
 
 import math
+import multiprocessing
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -131,3 +132,50 @@ HUB_MODELS = {
 DEFAULT = [k for k in HUB_MODELS if k != "llama"]  # The benches' default `--hub_models`.
 QUICK = dict(num_layers=1, hidden_dim=64, intermediate_dim=128, sequence_length=16, batch=4,
              steps=2, warmup=1)
+
+
+def _receive(conn):
+  """The child's next message, or its error if it died (e.g. out of memory)."""
+  try:
+    return conn.recv()
+  except EOFError:
+    return {"error": "failed: the process died"}
+
+
+def interleaved(name: str, rows: list[str], child: Callable, args: Callable[[str], tuple],
+                steps: int) -> dict[str, dict]:
+  """Each row in its own spawned process, `child(conn, *args(row))` (its graphs and peak RSS its
+  own), warmed up one after the other, then timed interleaved: one step of each row in turn,
+  `steps` times, so a change of the shared machine's load reaches every row alike. The child
+  sends its first-step dict, then a float per "step" message, and its peak RSS on "done". The
+  median step of each row."""
+  context = multiprocessing.get_context("spawn")
+  children, results, times = {}, {}, {}
+  for row in rows:
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=child, args=(child_conn, *args(row)))
+    process.start()
+    results[row] = _receive(conn)
+    children[row], times[row] = (conn, process), []
+    print(f"  {name} / {row}: first step {results[row].get('first_ms', 0):.0f} ms "
+          f"{results[row].get('error', '')}", flush=True)
+  for _ in range(steps):
+    for row, (conn, _) in children.items():
+      if "error" not in results[row]:
+        conn.send("step")
+        step = _receive(conn)
+        if isinstance(step, float):
+          times[row].append(step)
+        else:
+          results[row].update(step)
+  for row, (conn, process) in children.items():
+    if "error" not in results[row]:
+      conn.send("done")
+      last = _receive(conn)
+      if isinstance(last, float):
+        results[row].update(ms=1e3 * float(np.median(times[row])), peak_gib=last)
+        print(f"  {name} / {row}: {results[row]['ms']:.1f} ms/step", flush=True)
+      else:
+        results[row].update(last)
+    process.join()
+  return results

@@ -54,7 +54,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # KerasHub imports TF where 
 # pylint: disable=wrong-import-position
 import importlib.metadata
 import math
-import multiprocessing
 import platform
 import time
 
@@ -62,7 +61,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from hub_models import DEFAULT, HUB_MODELS, QUICK, Size  # bench/hub_models.py.
+from hub_models import DEFAULT, HUB_MODELS, QUICK, Size, interleaved  # bench/hub_models.py.
 # pylint: enable=wrong-import-position
 
 ROWS = {"nonprivate": "non-private Adam",
@@ -146,47 +145,9 @@ def _child(conn, name: str, row: str, size: Size, b: int, warmup: int, steps: in
     conn.send({"error": message.replace("|", "/").replace("\n", " ")})
 
 
-def _receive(conn):
-  """The child's next message, or its error if it died (e.g. out of memory)."""
-  try:
-    return conn.recv()
-  except EOFError:
-    return {"error": "failed: the process died"}
-
-
 def run_model(name: str, size: Size, b: int, steps: int, warmup: int) -> dict[str, dict]:
-  """Each row in its own process, warmed up one after the other, then timed interleaved: one step
-  of each row in turn, `steps` times. The median step of each row."""
-  context = multiprocessing.get_context("spawn")
-  children, results, times = {}, {}, {}
-  for row in ROWS:
-    conn, child_conn = context.Pipe()
-    process = context.Process(target=_child, args=(child_conn, name, row, size, b, warmup, steps))
-    process.start()
-    results[row] = _receive(conn)
-    children[row], times[row] = (conn, process), []
-    print(f"  {name} / {row}: first step {results[row].get('first_ms', 0):.0f} ms "
-          f"{results[row].get('error', '')}", flush=True)
-  for _ in range(steps):
-    for row, (conn, _) in children.items():
-      if "error" not in results[row]:
-        conn.send("step")
-        step = _receive(conn)
-        if isinstance(step, float):
-          times[row].append(step)
-        else:
-          results[row].update(step)
-  for row, (conn, process) in children.items():
-    if "error" not in results[row]:
-      conn.send("done")
-      last = _receive(conn)
-      if isinstance(last, float):
-        results[row].update(ms=1e3 * float(np.median(times[row])), peak_gib=last)
-        print(f"  {name} / {row}: {results[row]['ms']:.1f} ms/step", flush=True)
-      else:
-        results[row].update(last)
-    process.join()
-  return results
+  """`ROWS` on model `name`, timed interleaved (`hub_models.interleaved`)."""
+  return interleaved(name, ROWS, _child, lambda row: (name, row, size, b, warmup, steps), steps)
 
 
 def stack() -> str:

@@ -32,7 +32,6 @@ Sequential so that step_time's row builders take it; that adds no computation.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import time
 
@@ -40,7 +39,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from hub_models import DEFAULT, HUB_MODELS, QUICK, Size  # bench/hub_models.py.
+from hub_models import DEFAULT, HUB_MODELS, QUICK, Size, interleaved  # bench/hub_models.py.
 import step_time  # bench/step_time.py: the rows, `time_row`, `stack`.
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Inherited by the rows' processes.
@@ -94,45 +93,10 @@ def _child(conn, name: str, row_key: str, size: Size, b: int, warmup: int) -> No
     conn.send({"error": f"failed: {type(error).__name__}: {error}"[:160].replace("|", "/")})
 
 
-def _receive(conn):
-  """The child's next message, or its error if it died (e.g. out of memory)."""
-  try:
-    return conn.recv()
-  except EOFError:
-    return {"error": "failed: the process died"}
-
-
 def run_model(name: str, keys: list[str], size: Size, b: int, steps: int,
               warmup: int) -> dict[str, dict]:
-  """Each row of `keys` in its own process (its graphs and peak RSS its own), warmed up one after
-  the other, then timed interleaved: one step of each row in turn, `steps` times, so a change of
-  the shared machine's load reaches every row alike. The median step of each row."""
-  context = multiprocessing.get_context("spawn")
-  children, results, times = {}, {}, {}
-  for key in keys:
-    conn, child_conn = context.Pipe()
-    process = context.Process(target=_child, args=(child_conn, name, key, size, b, warmup))
-    process.start()
-    results[key] = _receive(conn)
-    children[key], times[key] = (conn, process), []
-    print(f"  {name} / {key}: first step {results[key].get('first_ms', 0):.0f} ms "
-          f"{results[key].get('error', '')}", flush=True)
-  for _ in range(steps):
-    for key, (conn, _) in children.items():
-      if "error" not in results[key]:
-        conn.send("step")
-        step = _receive(conn)
-        if isinstance(step, float):
-          times[key].append(step)
-        else:
-          results[key].update(step)
-  for key, (conn, process) in children.items():
-    if "error" not in results[key]:
-      conn.send("done")
-      results[key].update(ms=1e3 * float(np.median(times[key])), peak_gib=_receive(conn))
-      print(f"  {name} / {key}: {results[key]['ms']:.0f} ms/step", flush=True)
-    process.join()
-  return results
+  """The rows of `keys` on model `name`, timed interleaved (`hub_models.interleaved`)."""
+  return interleaved(name, keys, _child, lambda key: (name, key, size, b, warmup), steps)
 
 
 def _target(key: str, ratio: float) -> str:
