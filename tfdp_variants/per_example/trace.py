@@ -97,6 +97,21 @@ RAGGED = ("ragged",)  # `Batch.block` of a ragged argument's flat values (then i
 
 WINDOW = ("window",)  # `Batch.block` of a window of rows (`ops/layout.py`), then its position.
 
+# `Batch.block` of an integer computed from sizes (`ops/control.py`'s Shape, ShapeN, Size), then
+# its kind and the entries of the vector that are such sizes (None: every entry). The kinds:
+# `BY_BATCH`, a size that counts the examples (under add/remove adjacency, the other examples'
+# presence), and `BY_VALUES`, a size that depends on the batch's values (`tf.where`, `tf.unique`).
+SIZE = ("size",)
+BY_BATCH, BY_VALUES = "batch", "values"
+# Why a size mixes examples where it enters values (`_sized`), or where it shapes a tensor.
+SIZE_AS_VALUE = ("uses a size as a value that counts the examples of the batch or depends on other "
+                 "examples' values (tf.shape or tf.size of the batch, or of tf.where, "
+                 "tf.boolean_mask, tf.unique of it): under Poisson sampling the number of "
+                 "examples is the others' presence. Use such sizes only as shape arguments "
+                 "(reshape, broadcast, slice bounds), or a constant")
+SHAPED_BY_VALUES = ("takes its shape from a size that depends on other examples' values (tf.where, "
+                    "tf.boolean_mask, tf.unique of the batch): use a fixed size, e.g. a mask")
+
 Info = Optional[Batch | Mixed]  # None: unknown (examples may be mixed or reordered).
 # Why a product mixes examples (`Mixed.why`, the `OpRule.mix` of products and gathers).
 CONTRACTS = "contracts the batch axis (sums over examples)"
@@ -117,6 +132,16 @@ def batched(info: Info) -> bool:
 
 def is_ragged(info: Info) -> bool:
   return isinstance(info, Batch) and info.block[:1] == RAGGED
+
+
+def size(kind: str, entries: Optional[tuple[int, ...]] = None) -> Batch:
+  """The info of an integer computed from sizes of `kind` (`SIZE`), at `entries` of a vector."""
+  return Batch(None, (*SIZE, kind, entries))
+
+
+def size_kind(info: Info) -> Optional[str]:
+  """`BY_BATCH` or `BY_VALUES` for a size's info (`SIZE`), else None."""
+  return info.block[1] if isinstance(info, Batch) and info.block[:1] == SIZE else None
 
 
 def join(a: Info, b: Info) -> Info:
@@ -204,6 +229,9 @@ def _outputs(op: tf.Operation, rule: registry.OpRule, ins: list[Info], memo: dic
   """The infos of `op`'s outputs from its inputs' (`ins`, all analysed), by its rule's hooks."""
   deep, assigns, _ = memo["mode"]
   n = len(op.outputs)
+  sized = None
+  if not (deep and rule.deep is not None) and any(map(size_kind, ins)):
+    ins, sized = _sized(op, rule, ins)
   # A value carried from an earlier step first: a step of one example refuses that alone.
   mixed = min((i for i in ins if isinstance(i, Mixed)), key=lambda i: not carried(i),
               default=None)
@@ -212,6 +240,8 @@ def _outputs(op: tf.Operation, rule: registry.OpRule, ins: list[Info], memo: dic
     outs = rule.deep(op, ins, memo)
   elif mixed is not None:
     outs = [mixed] * n
+  elif sized is not None:
+    outs = sized
   elif why is not None:
     outs = [Mixed(op, why)] * n
   elif rule.early is not None and (early := rule.early(op, ins, memo)) is not None:
@@ -239,6 +269,41 @@ def _outputs(op: tf.Operation, rule: registry.OpRule, ins: list[Info], memo: dic
     if written != NO_BATCH:
       outs = [written if isinstance(written, Mixed) else None] * n
   return outs
+
+
+def _sized(op: tf.Operation, rule: registry.OpRule, ins: list[Info]
+           ) -> tuple[list[Info], Optional[list[Info]]]:
+  """Sizes among `op`'s inputs (`SIZE`): the inputs as its rule sees them, and its outputs' infos
+  where the sizes decide them (else None).
+
+  A size counting the examples is harmless as a shape argument (`registry.SHAPE_ARGS`: reshape,
+  broadcast, slice bounds; there the rule sees no example), while one that depends on other
+  examples' values shapes a tensor by them (`SHAPED_BY_VALUES`). Through ops that only carry
+  values (calls, IdentityN: `OpRule.passes_sizes`) sizes stay sizes; computed from sizes and
+  constants alone, a value is a size; entering a value with examples, a size mixes them.
+  """
+  n = len(op.outputs)
+  if rule.passes_sizes:
+    return ins, (list(ins) if rule.outputs is not None else None)
+  args, seen = registry.shape_args(op), list(ins)
+  for k, info in enumerate(ins):
+    if size_kind(info) is not None and k in args:
+      if size_kind(info) == BY_VALUES:
+        return ins, [Mixed(op, SHAPED_BY_VALUES)] * n
+      seen[k] = NO_BATCH
+  kinds = {size_kind(i) for i in seen} - {None}
+  if not kinds or any(isinstance(i, Mixed) for i in seen):
+    return seen, None
+  if any(map(batched, seen)):
+    return seen, [Mixed(op, SIZE_AS_VALUE)] * n
+  if any(i is None for i in seen):
+    return seen, [None] * n
+  kind = BY_VALUES if BY_VALUES in kinds else BY_BATCH
+  entries = registry.picked_entries(op, seen) if len(kinds) == 1 and len(
+      [i for i in seen if size_kind(i)]) == 1 else None
+  if entries == ():
+    return seen, [NO_BATCH] * n
+  return seen, [size(kind, entries)] * n
 
 
 def _kept_blocks(rule: registry.OpRule, out: Info, ins: list[Info]) -> Info:

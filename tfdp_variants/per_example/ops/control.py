@@ -95,7 +95,25 @@ def _if_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[tra
   branches = [_body(G.function_graph(op, a), ins[1:], memo) for a in ("then_branch", "else_branch")]
   if None in branches:
     return [None] * len(op.outputs)
-  return [trace.join(a, b) for a, b in zip(*branches)]
+  return _decided_by(op, ins[0], [trace.join(a, b) for a, b in zip(*branches)],
+                     "branches on")
+
+
+def _decided_by(op: tf.Operation, decider: trace.Info, outs: list[trace.Info], verb: str,
+                kept: Optional[list[bool]] = None) -> list[trace.Info]:
+  """The outputs of a branch or loop that a size decides (which branch, how many iterations):
+  values computed from no example are sizes of its kind, values with examples mix them with the
+  others' presence, but for those the loop carries unchanged or item by item (`kept`)."""
+  kind = trace.size_kind(decider)
+  if kind is None:
+    return outs
+  why = (f"{verb} a size that counts the examples of the batch or depends on other examples' "
+         "values, so each example's result depends on the others (e.g. a loop over tf.shape(x)[0] "
+         "that accumulates, a branch on the batch size)")
+  return [out if (kept and kept[k]) or out is None or isinstance(out, trace.Mixed) else
+          trace.Mixed(op, why) if trace.batched(out) else trace.size(
+              trace.BY_VALUES if trace.BY_VALUES in (kind, trace.size_kind(out)) else kind)
+          for k, out in enumerate(outs)]
 
 
 def _while_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[trace.Info]:
@@ -115,7 +133,19 @@ def _while_outputs(op: tf.Operation, ins: list[trace.Info], memo: dict) -> list[
   # How long it runs depends on several examples.
   if decided and isinstance(decided[0], trace.Mixed):
     return [decided[0]] * len(op.outputs)
-  return state
+  if not decided:
+    return state
+  # A variable the body passes through or fills item by item (a TensorList: tf.map_fn over the
+  # batch's rows) keeps each example's rows apart however many iterations run.
+  kept = [out.dtype == tf.variant or G.same(_through_identity(out), param)
+          for out, param in zip(body.outputs, body.inputs)]
+  return _decided_by(op, decided[0], state, "runs a number of iterations set by", kept)
+
+
+def _through_identity(t: tf.Tensor) -> tf.Tensor:
+  while t.op.type == "Identity":
+    t = t.op.inputs[0]
+  return t
 
 
 def _tensor_list(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
@@ -159,8 +189,7 @@ _NO_BATCH_OPS = frozenset({"Rank", "Const", "VarHandleOp", "TensorListLength",
                            "TensorListElementShape"})
 
 
-# Sizes, which depend on no example's values, except a ragged argument's rows: their count is the
-# examples' total length (other examples' lengths would reach each example's loss through it).
+# Sizes (`_sizes`).
 _SIZES = frozenset({"Shape", "ShapeN", "Size"})
 
 
@@ -177,10 +206,31 @@ def _ragged_batch(x: tf.Tensor, memo: dict) -> Optional[dict]:
 
 
 def _sizes(op: tf.Operation, ins: list[trace.Info]) -> list[trace.Info]:
-  """Sizes depend on no example's values, except a ragged argument's rows: their count is the
-  examples' total length (other examples' lengths would reach each example's loss through it)."""
-  ragged = any(trace.is_ragged(i) for i in ins)
-  return [None if ragged else trace.NO_BATCH] * len(op.outputs)
+  """Shape, ShapeN, Size: a size of a tensor (SPEC §6, sizes are values too).
+
+  Static sizes are constants. The size of a tensor's batch axis counts the examples
+  (`trace.BY_BATCH`), as does a dynamic size of a tensor that holds no example (a mask of the
+  batch's shape). The other dynamic sizes of a tensor with examples are its data's (a padded
+  length). A size of a tensor the analysis cannot follow, a ragged argument's rows (the examples'
+  total length) or a size computed from sizes depends on the batch's values (`trace.BY_VALUES`)
+  unless the sizes it came from count examples alone; a mixed tensor's stays mixed.
+  """
+  return [_size_of(t, info, op.type == "Size") for t, info in zip(op.inputs, ins)]
+
+
+def _size_of(t: tf.Tensor, info: trace.Info, total: bool) -> trace.Info:
+  dims = t.shape.as_list() if t.shape.rank is not None else None
+  if dims is not None and None not in dims:
+    return trace.NO_BATCH
+  if info is None or isinstance(info, trace.Mixed):
+    return info
+  if trace.is_ragged(info):
+    return trace.size(trace.BY_VALUES)
+  if trace.size_kind(info) is not None:
+    return trace.size(trace.size_kind(info))
+  if info.axis is None or dims is None or total:
+    return trace.size(trace.BY_BATCH)
+  return trace.size(trace.BY_BATCH, (info.axis,)) if dims[info.axis] is None else trace.NO_BATCH
 
 
 # The TensorList ops whose rows the deep mode follows (`_tensor_list`).
@@ -197,10 +247,10 @@ FAMILY.ops(_NO_BATCH_OPS - {"Const"}, enter=lambda x, memo: {x.name: trace.NO_BA
 FAMILY.ops(_SIZES, sizes=_sizes)
 FAMILY.ops(_IFS, deep=_if_outputs)
 FAMILY.ops(_WHILES, deep=_while_outputs)
-FAMILY.ops(G.CALLS, known=_call_outputs)
+FAMILY.ops(G.CALLS, known=_call_outputs, passes_sizes=True)
 FAMILY.ops(_OPAQUE, early=lambda op, ins, memo: [None] * len(op.outputs),
            unknown_why="runs Python code, which may read any data (a generator) or mix examples")
-FAMILY.ops(["IdentityN"], outputs=lambda op, ins, memo: ins)
+FAMILY.ops(["IdentityN"], outputs=lambda op, ins, memo: ins, passes_sizes=True)
 FAMILY.ops(_LISTS, outputs=lambda op, ins, memo: [
     _tensor_list(op, ins) if memo["mode"][0] else None] * len(op.outputs))
 FAMILY.ops(_ASSIGNS, writes=True)

@@ -21,6 +21,10 @@ import importlib
 import types
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+import tensorflow as tf
+
+from tfdp_variants.per_example import graph as G
+
 # The factor kinds, in the order `rules.match` tries them: the first rule that matches a use takes
 # it. Where two rules may match one use, the order decides which factor the variable gets:
 # "matmul" before "zero_matmul" (a MatMul of rows both batched and provably zero: an RNN's first
@@ -54,6 +58,8 @@ class OpRule:
   block_safe: the op keeps a SpaceToBatchND's block order (`trace.Batch.block`);
   own_blocks: its `axis` rule decides the block itself (Reshape, BatchToSpaceND).
   writes: the op assigns a variable (its value is followed by `trace._assigned`).
+  passes_sizes: the op carries its inputs' values to a body or its outputs unchanged (calls,
+    IdentityN): a size stays a size through it (`trace._sized`).
   pfor_wrong(op): `tf.vectorized_map`'s per-example gradient through it is wrong or fails.
   unknown_why: what `trace.lost_at` says of an op whose outputs stay unknown (Python code).
   """
@@ -71,8 +77,84 @@ class OpRule:
   known: Optional[Callable] = None
   outputs: Optional[Callable] = None
   writes: bool = False
+  passes_sizes: bool = False
   unknown_why: str = ""
   family: str = ""  # The module that registered it.
+
+
+# The inputs of each op type that are shapes, sizes, axes or counts, never values of the output:
+# there a size counting the examples is harmless (`trace._sized`). Any other input is a value.
+_SHAPES = {1: ("Reshape", "BroadcastTo", "Tile", "ExpandDims", "Transpose", "Pad", "PadV2",
+               "MirrorPad", "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax",
+               "ArgMin", "EuclideanNorm", "Cumsum", "Cumprod", "CumulativeLogsumexp", "ReverseV2",
+               "OneHot", "TopKV2", "ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic",
+               "ResizeArea", "SparseToDense", "TensorListFromTensor", "TensorListStack",
+               "DenseBincount", "SplitV"),
+           0: ("Fill", "Split", "ZerosLike", "OnesLike", "RandomUniform", "RandomStandardNormal",
+               "TruncatedNormal", "RandomUniformInt", "StatelessRandomUniform",
+               "StatelessRandomNormal", "StatelessTruncatedNormal", "StatelessRandomUniformInt",
+               "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+               "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+               "StatelessRandomUniformFullIntV2", "StatelessRandomBinomial", "Empty",
+               "RaggedTensorToTensor", "TensorListReserve", "EmptyTensorList",
+               "Conv2DBackpropInput", "DepthwiseConv2dNativeBackpropInput",
+               "Conv3DBackpropInputV2"),
+           2: ("ScatterNd", "GatherV2", "TensorListGetItem", "SplitV", "UnsortedSegmentSum",
+               "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd",
+               "Conv2DBackpropFilter", "Roll"),
+           3: ("StridedSlice", "StridedSliceGrad")}
+SHAPE_ARGS: Mapping[str, frozenset] = types.MappingProxyType({
+    **{t: frozenset(k for k, types_ in _SHAPES.items() if t in types_)
+       for types_ in _SHAPES.values() for t in types_},
+    "StridedSlice": frozenset({1, 2, 3}), "StridedSliceGrad": frozenset({0, 1, 2, 3}),
+    "Slice": frozenset({1, 2}), "SpaceToBatchND": frozenset({1, 2}),
+    "BatchToSpaceND": frozenset({1, 2}), "TensorListReserve": frozenset({0, 1}),
+    "EmptyTensorList": frozenset({0, 1}), "Roll": frozenset({1, 2}),
+    "MatrixBandPart": frozenset({1, 2})})
+
+
+def shape_args(op: tf.Operation) -> frozenset:
+  """The positions of `op`'s inputs that are shapes, sizes, axes or counts (`SHAPE_ARGS`; the
+  axis of a ConcatV2, its last)."""
+  if op.type == "ConcatV2":
+    return frozenset({len(op.inputs) - 1})
+  return SHAPE_ARGS.get(op.type, frozenset())
+
+
+def picked_entries(op: tf.Operation, ins: list) -> Optional[tuple[int, ...]]:
+  """The entries of `op`'s output that are sizes, where `op` picks entries of one shape vector at
+  static positions (Identity, Cast, a 1-D StridedSlice or GatherV2) or packs scalars; () if it
+  picks no size, None if every entry may be one."""
+  def entries(info):
+    block = getattr(info, "block", ())
+    return block[2] if block[:1] == ("size",) else ()
+  if op.type == "Pack" and op.get_attr("axis") == 0 and all(i.shape.rank == 0 for i in op.inputs):
+    return tuple(k for k, info in enumerate(ins) if entries(info) != ())
+  source = entries(ins[0]) if ins else None
+  if source is None or op.type not in ("Identity", "Cast", "StridedSlice", "GatherV2"):
+    return None
+  if op.type in ("Identity", "Cast"):
+    return source
+  n = op.inputs[0].shape[0] if op.inputs[0].shape.rank == 1 else None
+  if n is None:
+    return None
+  if op.type == "GatherV2":
+    ids = G.constant_value(op.inputs[1])
+    if G.constant_value(op.inputs[2]) != 0 or ids is None:
+      return None
+    picked = [i % n for i in (ids if isinstance(ids, list) else [ids])]
+  else:
+    bounds = [G.constant_value(t) for t in op.inputs[1:]]
+    if None in bounds or any(op.get_attr(f"{m}_mask") for m in ("ellipsis", "new_axis")):
+      return None
+    (begin,), (end,), (stride,) = bounds
+    if op.get_attr("shrink_axis_mask") & 1:
+      picked = [begin % n]
+    else:
+      picked = list(range(n))[slice(None if op.get_attr("begin_mask") & 1 else begin,
+                                    None if op.get_attr("end_mask") & 1 else end, stride)]
+  sizes = tuple(j for j, p in enumerate(picked) if p in source)
+  return sizes if sizes == () or op.outputs[0].shape.rank else None
 
 
 # The rule of an op type no family registered: none of the hooks, so its outputs are unknown.
