@@ -1,4 +1,4 @@
-"""Sizes are values too (SPEC §6, issue 47 item 1).
+"""Sizes are values too (docs/guarantees.md, issue 47 item 1).
 
 A size taken from the batch axis (the number of examples: under Poisson sampling the others'
 presence), or from a tensor whose shape depends on the batch's values (`tf.where`,

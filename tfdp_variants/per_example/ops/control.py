@@ -206,7 +206,7 @@ def _ragged_batch(x: tf.Tensor, memo: dict) -> Optional[dict]:
 
 
 def _sizes(op: tf.Operation, ins: list[trace.Info]) -> list[trace.Info]:
-  """Shape, ShapeN, Size: a size of a tensor (SPEC §6, sizes are values too).
+  """Shape, ShapeN, Size: a size of a tensor, which is a value too (docs/guarantees.md).
 
   Static sizes are constants. The size of a tensor's batch axis counts the examples
   (`trace.BY_BATCH`), as does a dynamic size of a tensor that holds no example (a mask of the
