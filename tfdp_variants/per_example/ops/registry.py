@@ -82,35 +82,32 @@ class OpRule:
   family: str = ""  # The module that registered it.
 
 
+def _at(positions: set[int], *op_types: str) -> dict[str, frozenset]:
+  return {t: frozenset(positions) for t in op_types}
+
+
 # The inputs of each op type that are shapes, sizes, axes or counts, never values of the output:
 # there a size counting the examples is harmless (`trace._sized`). Any other input is a value.
-_SHAPES = {1: ("Reshape", "BroadcastTo", "Tile", "ExpandDims", "Transpose", "Pad", "PadV2",
-               "MirrorPad", "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax",
-               "ArgMin", "EuclideanNorm", "Cumsum", "Cumprod", "CumulativeLogsumexp", "ReverseV2",
-               "OneHot", "TopKV2", "ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic",
-               "ResizeArea", "SparseToDense", "TensorListFromTensor", "TensorListStack",
-               "DenseBincount", "SplitV"),
-           0: ("Fill", "Split", "ZerosLike", "OnesLike", "RandomUniform", "RandomStandardNormal",
-               "TruncatedNormal", "RandomUniformInt", "StatelessRandomUniform",
-               "StatelessRandomNormal", "StatelessTruncatedNormal", "StatelessRandomUniformInt",
-               "StatelessRandomUniformV2", "StatelessRandomNormalV2",
-               "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-               "StatelessRandomUniformFullIntV2", "StatelessRandomBinomial", "Empty",
-               "RaggedTensorToTensor", "TensorListReserve", "EmptyTensorList",
-               "Conv2DBackpropInput", "DepthwiseConv2dNativeBackpropInput",
-               "Conv3DBackpropInputV2"),
-           2: ("ScatterNd", "GatherV2", "TensorListGetItem", "SplitV", "UnsortedSegmentSum",
-               "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd",
-               "Conv2DBackpropFilter", "Roll"),
-           3: ("StridedSlice", "StridedSliceGrad")}
 SHAPE_ARGS: Mapping[str, frozenset] = types.MappingProxyType({
-    **{t: frozenset(k for k, types_ in _SHAPES.items() if t in types_)
-       for types_ in _SHAPES.values() for t in types_},
-    "StridedSlice": frozenset({1, 2, 3}), "StridedSliceGrad": frozenset({0, 1, 2, 3}),
-    "Slice": frozenset({1, 2}), "SpaceToBatchND": frozenset({1, 2}),
-    "BatchToSpaceND": frozenset({1, 2}), "TensorListReserve": frozenset({0, 1}),
-    "EmptyTensorList": frozenset({0, 1}), "Roll": frozenset({1, 2}),
-    "MatrixBandPart": frozenset({1, 2})})
+    **_at({1}, "Reshape", "BroadcastTo", "Tile", "ExpandDims", "Transpose", "Pad", "PadV2",
+          "MirrorPad", "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin",
+          "EuclideanNorm", "Cumsum", "Cumprod", "CumulativeLogsumexp", "ReverseV2", "OneHot",
+          "TopKV2", "ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea",
+          "SparseToDense", "TensorListFromTensor", "TensorListStack", "DenseBincount"),
+    **_at({0}, "Fill", "Split", "ZerosLike", "OnesLike", "RandomUniform", "RandomStandardNormal",
+          "TruncatedNormal", "RandomUniformInt", "StatelessRandomUniform", "StatelessRandomNormal",
+          "StatelessTruncatedNormal", "StatelessRandomUniformInt", "StatelessRandomUniformV2",
+          "StatelessRandomNormalV2", "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+          "StatelessRandomUniformFullIntV2", "StatelessRandomBinomial", "Empty",
+          "RaggedTensorToTensor", "Conv2DBackpropInput", "DepthwiseConv2dNativeBackpropInput",
+          "Conv3DBackpropInputV2"),
+    **_at({2}, "ScatterNd", "GatherV2", "TensorListGetItem", "UnsortedSegmentSum",
+          "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd",
+          "Conv2DBackpropFilter"),
+    **_at({0, 1}, "TensorListReserve", "EmptyTensorList"),
+    **_at({1, 2}, "Slice", "SplitV", "SpaceToBatchND", "BatchToSpaceND", "Roll", "MatrixBandPart"),
+    **_at({1, 2, 3}, "StridedSlice"),
+    **_at({0, 1, 2, 3}, "StridedSliceGrad")})
 
 
 def shape_args(op: tf.Operation) -> frozenset:
