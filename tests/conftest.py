@@ -9,7 +9,9 @@ The tests' one switch on the Keras version is here: `@pytest.mark.keras3_only` a
 `@pytest.mark.keras2_only` skip a test on the other stacks, and `per_stack(keras3=..., keras2=...)`
 picks a value where the stacks word or do one thing differently. `@pytest.mark.default_leg` keeps a
 test of a stack file on the default leg alone: a case whose stack-dependent part other cases of
-the same test already cover on the Keras 2 legs (CI time).
+the same test already cover on the Keras 2 legs (CI time). The statistical audits and the
+tf.distribute tests (`_ONE_KERAS2_LEG_FILES`) run on one Keras 2 leg, TF 2.15's: their Keras 2 code
+is the tf-keras leg's too, and TF 2.21's tf.distribute runs on the default leg (CI time).
 """
 
 import pytest
@@ -30,6 +32,8 @@ _STACK_FILES = frozenset({
     "test_per_example.py", "test_per_example_grids.py", "test_recurrence.py", "test_xla.py",
 })
 _TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
+_ONE_KERAS2_LEG_FILES = frozenset({"test_audit.py", "test_distributed.py"})
+_TF_KERAS_LEG = not stack.KERAS_3 and tuple(map(int, tf.__version__.split(".")[:2])) >= (2, 16)
 
 
 def per_stack(keras3, keras2):
@@ -63,5 +67,7 @@ def pytest_collection_modifyitems(config, items):
     name = item.path.name
     if name in _STACK_FILES:
       item.add_marker(pytest.mark.stack)
+    if name in _ONE_KERAS2_LEG_FILES and _TF_KERAS_LEG:
+      item.add_marker(pytest.mark.skip(reason="Keras 2 covered on the TF 2.15 leg (CI time)"))
     if name in _TF_PRIVACY_FILES:
       item.add_marker(pytest.mark.tf_privacy)
