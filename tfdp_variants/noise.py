@@ -131,8 +131,8 @@ def _box_muller(w0: tf.Tensor, w1: tf.Tensor, stddev=None) -> tf.Tensor:
   on a grid fine near 0 (float32 holds it to 2⁻²⁴ relatively), so r reaches 7.54σ; the angle θ
   takes the other 24 bits of w1. TF's samplers (float32 and float64 alike) floor their 23- or
   52-bit uniform at 1e-7 and stop at 5.68σ: an output beyond the cut can come from one
-  neighbour's sum and not the other's (BUILD_NOTES, "Eleventh pass"), which the deeper tail makes
-  at least 10⁴× rarer.
+  neighbour's sum and not the other's (docs/history.md, "Eleventh pass"), which the deeper tail
+  makes at least 10⁴× rarer.
   """
   low = tf.cast(tf.bitwise.bitwise_and(w1, tf.constant(255, tf.uint32)), tf.float32)
   v = (tf.cast(w0, tf.float32) + (low + 0.5) * 2.0**-8) * 2.0**-32

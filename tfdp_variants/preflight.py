@@ -4,8 +4,8 @@ training example.
 The self-check (`per_example.self_check`) compares the engine's per-example gradients with exact
 ones. Run on the first training batch, its outcome (pass, or an error) would depend on that
 batch's values: float32 rounding in a crafted example could fail it for one dataset and not its
-neighbour, and the error would reveal which (BUILD_NOTES, "The only output that depends on the
-data"). So `fit` and `train_on_batch` of a DP model run it first on a batch of the same structure
+neighbour, and the error would reveal which (BUILD_NOTES, "Fail closed"). So `fit` and
+`train_on_batch` of a DP model run it first on a batch of the same structure
 whose values come from no example: floats standard normal, integers 0 (a valid id and label for
 every layer and loss), booleans True. It computes what Keras' `train_step` computes (the model in
 training mode, then the compiled per-example loss) through the same engine, and raises on a

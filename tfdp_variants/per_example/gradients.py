@@ -12,7 +12,7 @@ from tfdp_variants.xla import in_xla
 
 Weights = tf.Tensor | Sequence[tf.Tensor]
 # Entries of a default chunk of materialized g_m (`reduce_chunks`): 32 MiB of float32. Measured on
-# 2 CPU cores (BUILD_NOTES.md, fifth pass), the tanh filter ran as fast or faster with chunks of
+# 2 CPU cores (docs/history.md, "Fifth pass"), the tanh filter ran as fast or faster with chunks of
 # 4-8M entries than of 25-105M, at a half to a third of the peak memory.
 CHUNK_ENTRIES = 2**23
 

@@ -146,11 +146,12 @@ def lists_read_whole() -> Iterator[None]:
 
   `tf.gradients` gives a loop output the loss does not read ZerosLike as its gradient
   (`control_flow_state.ZerosLike`); for the (T, B, 4H) probe list, T zero tensors that each
-  step's row gradient is then added to (4.1 ms of CPU of the LSTM's 45.6 ms DP step, BUILD_NOTES
-  "Seventeenth pass"). `_loop` reads each row once, at every step, whatever the data, so each
-  step's `TensorListSetItem` writes its row into the empty list and the stacked gradient is the
-  same. Not under XLA, which needs a list's elements up front. Other threads (the replicas of
-  a tf.distribute strategy trace in threads) and other lists keep tf.gradients' zeros."""
+  step's row gradient is then added to (4.1 ms of CPU of the LSTM's 45.6 ms DP step,
+  docs/history.md, "Seventeenth pass"). `_loop` reads each row once, at every step, whatever the
+  data, so each step's `TensorListSetItem` writes its row into the empty list and the stacked
+  gradient is the same. Not under XLA, which needs a list's elements up front. Other threads (the
+  replicas of a tf.distribute strategy trace in threads) and other lists keep tf.gradients'
+  zeros."""
   if not getattr(control_flow_state.ZerosLike, "empty_lists", False):
     control_flow_state.ZerosLike = _empty_or_zeros(control_flow_state.ZerosLike)
   before = getattr(_EMPTY_LISTS, "on", False)

@@ -10,7 +10,7 @@ optimizer's ledger segment closes (`sampling.close_segment`), so that later step
 privacy callback are not accounted under this fit's sampling.
 
 `train_on_batch` runs the same synthetic-batch check (cached per input structure: once per model
-and structure), so that its step's graph carries no in-step check either (BUILD_NOTES, "The
+and structure), so that its step's graph carries no in-step check either (docs/history.md, "The
 twenty-fourth pass": that check doubled the first step's time and added a third to peak memory).
 """
 

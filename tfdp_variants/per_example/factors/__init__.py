@@ -21,7 +21,7 @@ with the rows of microbatches not kept set to zero (`Outer` and `Gather` fold th
 weights of `weighted_sum`, so DP-SGD pays no extra pass over their rows). Factors know nothing of
 clipping or noise.
 
-Numerics (BUILD_NOTES, "The only output that depends on the data"): squared norms are float64 and
+Numerics (BUILD_NOTES, "The per-example engine", Numerics): squared norms are float64 and
 never overflow for a finite float32 gradient (‖a‖²·‖d‖² of an input 1e30 and an output gradient
 1e-19 is 1e22, not inf·0); products of Gram matrices are formed from rows scaled by their largest
 entry. A row that holds inf or NaN has squared norm +inf, never NaN, so no clip factor is NaN

@@ -1,6 +1,6 @@
 """Every op family, registered: importing this module (`registry`'s first lookup does) imports
 each family module, which registers its rules, then freezes the tables. A new family module is
-one line here (BUILD_NOTES, "Architecture": "Adding an op")."""
+one line here (BUILD_NOTES, "Where each common change goes")."""
 
 from tfdp_variants.per_example.ops import broadcast
 from tfdp_variants.per_example.ops import control
