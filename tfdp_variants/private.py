@@ -33,6 +33,7 @@ from tfdp_variants import callbacks as callbacks_lib
 from tfdp_variants import data
 from tfdp_variants import optimizers
 from tfdp_variants import sampling as sampling_lib
+from tfdp_variants.algorithms import base as base_algorithm
 
 # Keras base optimizers by name (the binary's --optimizer).
 BASES = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam,
@@ -91,7 +92,8 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     learning_rate: the base's learning rate; None: Keras' default for that base.
     accountant: "rdp" or "pld".
     log_dir: where the `PrivacyLogger` writes ε for TensorBoard; None: only Keras' logs.
-    model: the model to train; needed only by per-layer algorithms (their events count layers).
+    model: the model to train, built; needed by algorithms whose events count its variables
+      (`adaptive_clip`, `tanh_filter`, per-layer `quantile_clip`).
     nominal: calibrate and budget the nominal ε, for algorithms with no certified one (not a
       guarantee).
     **options: the algorithm's options (e.g. `order="clip_then_noise"`).
@@ -127,9 +129,15 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     return cls(l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
                expected_batch_size=sampling.batch_size, **rate, **options)
 
-  variables = None if model is None else model.trainable_variables
-  sigma = sampling_lib.noise_multiplier_for(target_epsilon, sampling, steps, delta, optimizer_at,
-                                            accountant, variables, nominal=nominal)
+  _check_certified(optimizer_at(1.0), algorithm, nominal)
+  variables = _variables(model)
+  try:
+    sigma = sampling_lib.noise_multiplier_for(target_epsilon, sampling, steps, delta,
+                                              optimizer_at, accountant, variables,
+                                              nominal=nominal)
+  except base_algorithm.UnknownSizeError as e:
+    raise ValueError(f"algorithm={algorithm!r}: its privacy depends on the model's {e.name}: "
+                     "pass the model to train, make_private(..., model=model).") from e
   dp_optimizer = optimizer_at(sigma)
   certified, nominal_epsilon = sampling_lib.epsilons(dp_optimizer, sampling, steps, delta,
                                                      accountant, variables)
@@ -142,6 +150,31 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
   return PrivateTraining(dataset, dp_optimizer, privacy_callbacks, sigma,
                          nominal_epsilon if nominal else certified, epochs, steps_per_epoch,
                          steps, dataset.sampling)
+
+
+def _check_certified(optimizer, algorithm: str, nominal: bool) -> None:
+  """Refuses, naming the certified mode, an algorithm whose ε as configured is no guarantee
+  (`PrivacyBudget` would refuse it at fit), unless the nominal ε is asked for."""
+  if nominal or optimizer.privacy_guarantee == "certified":
+    return
+  mode = type(optimizer).algorithm_cls.certified_mode
+  fix = (f"Use its certified mode, make_private(..., algorithm={algorithm!r}, {mode})" if mode
+         else "Use a certified algorithm (docs/optimizers.md)")
+  raise ValueError(f"algorithm={algorithm!r} as configured has privacy_guarantee="
+                   f"{optimizer.privacy_guarantee!r}: its ε is no proven bound. {fix}, or pass "
+                   "nominal=True to calibrate and budget the paper's ε (no guarantee).")
+
+
+def _variables(model: Optional[tf.keras.Model]) -> Optional[list]:
+  """The trainable variables whose count per-layer events need; refuses an unbuilt model."""
+  if model is None:
+    return None
+  if not model.trainable_variables:
+    raise ValueError(f"make_private(model={model.name!r}): the model has no trainable variables "
+                     "yet, so per-layer privacy cannot be stated: build it first (call it on a "
+                     "batch, or model.build(input_shape)), or leave model=None for algorithms "
+                     "that do not need it.")
+  return model.trainable_variables
 
 
 def compute_dp_sgd_privacy(n: int, batch_size: float, noise_multiplier: float, epochs: float,
