@@ -1,6 +1,8 @@
 """make_private on what users bring (issue 47): the certified alternatives the README recommends,
 Keras' own fit arguments, a reloaded model's spent budget, KerasHub tasks and tf.data maps."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -52,3 +54,18 @@ def test_quantile_count_noise_defaults_to_the_expected_batch_size():
 def test_make_private_names_what_it_needs(model, kwargs, match):
   with pytest.raises(ValueError, match=match):
     _private(model, **kwargs)
+
+
+def test_private_fit_as_keras_users_write_it():
+  """No Keras warning about shuffle on the private dataset; validation_split is refused naming
+  validation_data (Keras' own error says nothing of the private sample)."""
+  model, private = _model(), _private()
+  model.compile(optimizer=private.optimizer, loss=_loss())
+  with pytest.raises(ValueError, match="validation_split.*validation_data=\\(x_val, y_val\\)"):
+    model.fit(private.dataset, validation_split=0.2, callbacks=private.callbacks, verbose=0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model.fit(private.dataset, epochs=private.epochs, callbacks=private.callbacks, verbose=0,
+              validation_data=_xy(20))
+  assert not [w for w in caught if "shuffle" in str(w.message)]
+  assert private.callbacks[0].epsilon == pytest.approx(private.epsilon, rel=1e-9)

@@ -108,6 +108,15 @@ def fit(self, *args, **kwargs):
   if not is_dp(optimizer):
     return keras_fit(self, *args, **kwargs)
   arguments = inspect.signature(keras_fit).bind(self, *args, **kwargs).arguments
+  if isinstance(arguments.get("x"), tf.data.Dataset):
+    if arguments.get("validation_split"):
+      raise ValueError(
+          "fit's validation_split splits arrays only, and a private dataset's batches are drawn "
+          "from all of its examples (each in each step with probability q): hold the validation "
+          "examples out before sampling (make_private, data.poisson_dataset) and pass them as "
+          "fit(..., validation_data=(x_val, y_val)).")
+    if "shuffle" not in arguments:  # Keras ignores it for a dataset, but warns unless False.
+      kwargs["shuffle"] = False
   if optimizer.num_microbatches is not None:
     _refuse_partial_microbatches(optimizer.num_microbatches, arguments)
   recurrence.enable(self)
