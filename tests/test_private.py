@@ -3,11 +3,14 @@ Keras' own fit arguments, a reloaded model's spent budget, KerasHub tasks and tf
 
 import warnings
 
+import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdp_variants
+from tfdp_variants import accounting
+from tfdp_variants import sampling
 
 from test_callbacks import _loss, _model, DELTA
 
@@ -69,3 +72,49 @@ def test_private_fit_as_keras_users_write_it():
               validation_data=_xy(20))
   assert not [w for w in caught if "shuffle" in str(w.message)]
   assert private.callbacks[0].epsilon == pytest.approx(private.epsilon, rel=1e-9)
+
+
+def _rdp(*runs):
+  """ε of Poisson runs (σ, steps) at q = 20/100, composed by dp_accounting's RdpAccountant."""
+  accountant = dp_accounting.rdp.RdpAccountant(accounting.RDP_ORDERS)
+  for sigma, steps in runs:
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        0.2, dp_accounting.GaussianDpEvent(sigma)), steps)
+  return accountant.get_epsilon(DELTA)
+
+
+def test_a_reloaded_model_continues_its_ledger(tmp_path):
+  """The spent budget travels in the .keras file: a fresh optimizer continues it (ε of both runs,
+  by dp_accounting), and make_private(model=) plans σ for the rest of the target."""
+  model, first = _model(), _private(target_epsilon=2.0)
+  model.compile(optimizer=first.optimizer, loss=_loss())
+  model.fit(first.dataset, epochs=1, verbose=0, callbacks=first.callbacks)
+  model.save(tmp_path / "model.keras")
+  loaded = tf.keras.models.load_model(tmp_path / "model.keras")
+  unplanned = _private(target_epsilon=3.0)  # Planned for 3.0 alone: its budget stops early.
+  loaded.compile(optimizer=unplanned.optimizer, loss=_loss())
+  unplanned.optimizer.build(loaded.trainable_variables)
+  spent = sampling.ledger_epsilons(unplanned.optimizer, DELTA)[0]
+  assert spent == pytest.approx(_rdp((first.noise_multiplier, first.steps)), rel=1e-9)
+  second = _private(loaded, target_epsilon=3.0)
+  assert second.noise_multiplier > unplanned.noise_multiplier
+  loaded.compile(optimizer=second.optimizer, loss=_loss())
+  loaded.fit(second.dataset, epochs=1, verbose=0, callbacks=second.callbacks)
+  logger = second.callbacks[0]
+  assert logger.steps == first.steps + second.steps
+  assert logger.epsilon == pytest.approx(
+      _rdp((first.noise_multiplier, first.steps), (second.noise_multiplier, second.steps)),
+      rel=1e-9)
+  assert logger.epsilon == pytest.approx(second.epsilon, rel=1e-9) and logger.epsilon <= 3.0
+
+
+def test_an_optimizer_with_its_own_steps_does_not_take_over_a_trained_model():
+  model, first = _model(), _private()
+  model.compile(optimizer=first.optimizer, loss=_loss())
+  model.fit(first.dataset, epochs=1, verbose=0, callbacks=first.callbacks)
+  used = _private().optimizer
+  used.build(model.trainable_variables)
+  used.dp_steps.assign(3)  # As if it had trained another model.
+  with pytest.raises(ValueError, match="cannot be merged.*Compile with a new optimizer"):
+    model.compile(optimizer=used, loss=_loss())
+  assert model.optimizer is first.optimizer

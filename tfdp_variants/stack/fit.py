@@ -95,7 +95,13 @@ keras_compile = keras.Model.compile
 @functools.wraps(keras_compile)
 def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
   """Keras' compile; with a DP optimizer, the model's looped RNNs get per-example rules
-  (`recurrence.enable`)."""
+  (`recurrence.enable`), and the optimizer continues the ledger of the model's earlier DP
+  optimizer (a reloaded model's spent budget: `continue_from`)."""
+  previous = unwrap(getattr(self, "optimizer", None))
+  given = unwrap(inspect.signature(keras_compile).bind(self, *args, **kwargs).arguments.get(
+      "optimizer"))
+  if is_dp(given) and is_dp(previous) and previous is not given:  # Refused before compiling.
+    given.continue_from(previous, self.trainable_variables)
   keras_compile(self, *args, **kwargs)
   if is_dp(unwrap(getattr(self, "optimizer", None))):
     recurrence.enable(self)
