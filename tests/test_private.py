@@ -118,3 +118,15 @@ def test_an_optimizer_with_its_own_steps_does_not_take_over_a_trained_model():
   with pytest.raises(ValueError, match="cannot be merged.*Compile with a new optimizer"):
     model.compile(optimizer=used, loss=_loss())
   assert model.optimizer is first.optimizer
+
+
+def test_a_random_map_read_into_memory_is_said():
+  x, y = _xy(20)
+  augmented = tf.data.Dataset.from_tensor_slices((x, y)).map(
+      lambda a, b: (a + tf.random.normal([5]), b))
+  with pytest.warns(UserWarning, match="MapDataset draws random numbers.*same draw.*RandomFlip"):
+    tfdp_variants.data.poisson_dataset(augmented, sampling_probability=0.2, steps=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tfdp_variants.data.poisson_dataset(tf.data.Dataset.from_tensor_slices((x, y)).map(
+        lambda a, b: (2 * a, b)), sampling_probability=0.2, steps=2)
