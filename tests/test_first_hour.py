@@ -87,7 +87,7 @@ def test_make_private_refuses_what_it_cannot_build():
   with pytest.raises(ValueError, match="expected_batch_size must be in"):
     tfdp_variants.make_private(_xy(), target_epsilon=1.0, delta=DELTA, epochs=1,
                                expected_batch_size=500)
-  with pytest.raises(ValueError, match="no certified event.*nominal=True"):
+  with pytest.raises(ValueError, match="privacy_guarantee=.none.*nominal=True"):
     tfdp_variants.make_private(_xy(), target_epsilon=1.0, delta=DELTA, epochs=1,
                                expected_batch_size=10, algorithm="noisy_gradient")
 

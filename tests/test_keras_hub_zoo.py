@@ -150,3 +150,32 @@ def test_batch_normalization_is_refused_naming_the_fix():
   x = keras_hub_models.MODELS["vit"]()[1]
   with pytest.raises(ValueError, match="batch_norm_to_group_norm"):
     _fit_private(model, x, np.arange(keras_hub_models.B) % 3)
+
+
+def _private_task():
+  """The tiny BERT classifier and make_private on 30 of its examples (the README's recipe)."""
+  import tfdp_variants  # pylint: disable=import-outside-toplevel
+  tf.keras.utils.set_random_seed(0)
+  model, x = keras_hub_models.MODELS["bert"]()
+  x = {key: np.repeat(value, 10, axis=0) for key, value in x.items()}
+  private = tfdp_variants.make_private((x, np.arange(30) % 3), target_epsilon=3.0, delta=1e-5,
+                                       epochs=1, expected_batch_size=10, learning_rate=1e-3)
+  model.compile(optimizer=private.optimizer,
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                   reduction="none"))
+  return model, private
+
+
+def test_make_private_trains_a_task_as_the_readme_writes_it():
+  """A KerasHub task's fit maps its `preprocess_samples` over the private dataset (the identity
+  without a preprocessor): still the Poisson batches, certified as planned."""
+  model, private = _private_task()
+  model.fit(private.dataset, epochs=private.epochs, callbacks=private.callbacks, verbose=0)
+  assert private.callbacks[0].epsilon == pytest.approx(private.epsilon, rel=1e-9)
+
+
+def test_a_task_preprocessor_over_private_batches_is_refused_naming_the_fix():
+  model, private = _private_task()
+  model.preprocessor = lambda x: x  # Any preprocessor: code run on whole private batches.
+  with pytest.raises(ValueError, match="maps its preprocessor.*task.preprocessor = None"):
+    model.fit(private.dataset, epochs=private.epochs, callbacks=private.callbacks, verbose=0)

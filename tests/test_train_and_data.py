@@ -201,6 +201,14 @@ def test_audit_violation_stops_before_training(tmp_path, monkeypatch):
   assert not list(tmp_path.rglob("events.out.tfevents*"))
 
 
+def test_help_exits_0_and_lists_the_algorithms_options():
+  out = subprocess.run([sys.executable, "-m", "tfdp_variants.train", "--help"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "quantile_clip: quantile=0.5" in out.stdout and "inspect" not in out.stdout
+
+
 def test_bad_options_flag():
   with pytest.raises(app.UsageError, match="key=value"):
     train.parse_options(["order"])
@@ -295,7 +303,7 @@ def test_binary_states_its_plan_first_and_names_the_run_by_its_optimizer(tmp_pat
   assert out.returncode == 0, out.stderr[-3000:]
   want = accounting.epsilon(1.1, 200 / 1438, 7, 1e-5)  # round(1438 / 200) = 7 steps.
   plan = (f"Training DPAdam (certified), learning rate 0.001, C = 1.5, σ = 1.1, poisson "
-          f"sampling, add/remove one example, q = {200 / 1438:.4g}, 7 steps an epoch × 1 epochs "
+          f"sampling, add/remove one example, q = {200 / 1438:.4g}, 7 steps an epoch × 1 epoch "
           f"= 7 steps: at the end certified ε = {want:.3f}")
   assert plan in out.stdout and out.stdout.index(plan) < out.stdout.index("epoch 1:")
   [run] = (tmp_path / "runs").iterdir()

@@ -272,7 +272,7 @@ class PrivacyLogger(_Accountant):
     if certified is None or certified <= poisson:
       return
     print(f"PrivacyLogger: fit draws shuffled fixed-size batches, which no amplification theorem "
-          f"covers: {epochs} epochs certify ε = {certified:.3g}, where Poisson sampling of the same "
+          f"covers: {epochs} epoch{'s' * (epochs != 1)} certify ε = {certified:.3g}, where Poisson sampling of the same "
           f"batch size would certify ε = {poisson:.3g} ({self.method.upper()}, δ={self.delta:g}). "
           f"To switch: train = tfdp_variants.data.poisson_dataset(x, y, "
           f"sampling_probability={s.batch_size:g}/{s.num_examples}, steps="

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import pathlib
+import warnings
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -243,6 +244,22 @@ def poisson_batches(x: Nested, y: Optional[Nested], sampling_probability: float,
   return (tf.nest.map_structure(lambda a, m=mask: a[m], data) for mask in masks)
 
 
+def _warn_if_random(dataset: tf.data.Dataset) -> None:
+  """Warns when a map of the pipeline draws random numbers: reading it once freezes the draw."""
+  for name, stage in sampling._stages(dataset):  # pylint: disable=protected-access
+    function = getattr(getattr(stage, "_map_func", None), "function", None)
+    ops = [] if function is None else function.graph.get_operations()
+    random = sorted({op.type for op in ops if "Random" in op.type})
+    if random:
+      warnings.warn(
+          f"The pipeline's {name} draws random numbers ({', '.join(random)}), but make_private "
+          "and poisson_dataset read the dataset into memory once: every epoch sees the same "
+          "draw. Augment inside the model instead (Keras' random preprocessing layers, e.g. "
+          "keras.layers.RandomFlip, draw anew each step), and give the pipeline without the "
+          "random map.", stacklevel=3)
+      return
+
+
 def to_arrays(dataset: tf.data.Dataset) -> Nested:
   """The finite `dataset`'s examples, read once into NumPy arrays of its element structure."""
   count = int(dataset.cardinality())
@@ -260,6 +277,7 @@ def to_arrays(dataset: tf.data.Dataset) -> Nested:
     raise ValueError(f"poisson_dataset samples single examples, but the dataset is batched "
                      f"({batched[0]}): each of its elements would count as one example in the "
                      "guarantee. Pass the pipeline before .batch(), or .unbatch() it.")
+  _warn_if_random(dataset)
   try:
     chunks = list(dataset.batch(4096).as_numpy_iterator())
   except (tf.errors.InvalidArgumentError, ValueError) as e:
@@ -282,7 +300,8 @@ def poisson_dataset(x: Nested | tf.data.Dataset, y: Optional[Nested] = None,
   single examples `x` (y None; elements of any structure of fixed shapes, e.g. `(image, label)`
   parsed from TFRecords), known size N (`assert_cardinality` when tf.data cannot tell). A dataset
   is read once into memory; the batches are drawn from those arrays, with the same secret masks
-  and the same certificate as arrays.
+  and the same certificate as arrays. A random map (augmentation) is therefore drawn once, not
+  each epoch (a warning says so): augment inside the model, with Keras' random layers.
 
   Each pass over the result (each epoch of `fit(dataset, epochs=E)`) draws new batches. `steps` =
   round(1/q) makes an epoch one expected pass over the data. Use num_microbatches=None and

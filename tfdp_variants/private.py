@@ -33,6 +33,8 @@ from tfdp_variants import callbacks as callbacks_lib
 from tfdp_variants import data
 from tfdp_variants import optimizers
 from tfdp_variants import sampling as sampling_lib
+from tfdp_variants import stack
+from tfdp_variants.algorithms import base as base_algorithm
 
 # Keras base optimizers by name (the binary's --optimizer).
 BASES = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam,
@@ -50,7 +52,8 @@ class PrivateTraining(NamedTuple):
     callbacks: a `PrivacyLogger` (ε per epoch; to TensorBoard with `log_dir`) and a
       `PrivacyBudget` that stops before ε passes the target.
     noise_multiplier: the calibrated σ.
-    epsilon: the certified (or, with `nominal`, nominal) ε after `epochs`, at most the target.
+    epsilon: the certified (or, with `nominal`, nominal) ε after `epochs` (with what `model` had
+      spent before), at most the target.
     epochs, steps_per_epoch, steps: the plan σ was calibrated for.
     sampling: the dataset's `Sampling`.
   """
@@ -77,7 +80,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
 
   σ is the smallest whose ε after epochs × round(N/B) Poisson steps of rate q = B/N is at most
   `target_epsilon` (`sampling.noise_multiplier_for`: the algorithm's own step event, e.g. with
-  adaptive clipping's norm query, under `accountant`).
+  adaptive clipping's norm query, under `accountant`), after what `model` already spent.
 
   Args:
     train_data: `(x, y)` arrays (nested structures allowed), or a finite tf.data.Dataset of single
@@ -91,7 +94,11 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     learning_rate: the base's learning rate; None: Keras' default for that base.
     accountant: "rdp" or "pld".
     log_dir: where the `PrivacyLogger` writes ε for TensorBoard; None: only Keras' logs.
-    model: the model to train; needed only by per-layer algorithms (their events count layers).
+    model: the model to train, built; needed by algorithms whose events count its variables
+      (`adaptive_clip`, `tanh_filter`, per-layer `quantile_clip`). A model already trained
+      privately (e.g. reloaded from a `.keras` file, compiled) has spent part of the budget: σ is
+      calibrated so that its ledger and this run together stay within the target, and the new
+      optimizer continues that ledger once compiled.
     nominal: calibrate and budget the nominal ε, for algorithms with no certified one (not a
       guarantee).
     **options: the algorithm's options (e.g. `order="clip_then_noise"`).
@@ -127,12 +134,19 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     return cls(l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
                expected_batch_size=sampling.batch_size, **rate, **options)
 
-  variables = None if model is None else model.trainable_variables
-  sigma = sampling_lib.noise_multiplier_for(target_epsilon, sampling, steps, delta, optimizer_at,
-                                            accountant, variables, nominal=nominal)
+  _check_certified(optimizer_at(1.0), algorithm, nominal)
+  variables = _variables(model)
+  spent = _spent(model)
+  try:
+    sigma = sampling_lib.noise_multiplier_for(target_epsilon, sampling, steps, delta,
+                                              optimizer_at, accountant, variables,
+                                              nominal=nominal, spent=spent)
+  except base_algorithm.UnknownSizeError as e:
+    raise ValueError(f"algorithm={algorithm!r}: its privacy depends on the model's {e.name}: "
+                     "pass the model to train, make_private(..., model=model).") from e
   dp_optimizer = optimizer_at(sigma)
   certified, nominal_epsilon = sampling_lib.epsilons(dp_optimizer, sampling, steps, delta,
-                                                     accountant, variables)
+                                                     accountant, variables, spent)
   dataset = data.poisson_dataset(x, y, sampling.sampling_probability, steps_per_epoch)
   privacy_callbacks = [
       callbacks_lib.PrivacyLogger(delta=delta, log_dir=log_dir, method=accountant,
@@ -142,6 +156,41 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
   return PrivateTraining(dataset, dp_optimizer, privacy_callbacks, sigma,
                          nominal_epsilon if nominal else certified, epochs, steps_per_epoch,
                          steps, dataset.sampling)
+
+
+def _check_certified(optimizer, algorithm: str, nominal: bool) -> None:
+  """Refuses, naming the certified mode, an algorithm whose ε as configured is no guarantee
+  (`PrivacyBudget` would refuse it at fit), unless the nominal ε is asked for."""
+  if nominal or optimizer.privacy_guarantee == "certified":
+    return
+  mode = type(optimizer).algorithm_cls.certified_mode
+  fix = (f"Use its certified mode, make_private(..., algorithm={algorithm!r}, {mode})" if mode
+         else "Use a certified algorithm (docs/optimizers.md)")
+  raise ValueError(f"algorithm={algorithm!r} as configured has privacy_guarantee="
+                   f"{optimizer.privacy_guarantee!r}: its ε is no proven bound. {fix}, or pass "
+                   "nominal=True to calibrate and budget the paper's ε (no guarantee).")
+
+
+def _variables(model: Optional[tf.keras.Model]) -> Optional[list]:
+  """The trainable variables whose count per-layer events need; refuses an unbuilt model."""
+  if model is None:
+    return None
+  if not model.trainable_variables:
+    raise ValueError(f"make_private(model={model.name!r}): the model has no trainable variables "
+                     "yet, so per-layer privacy cannot be stated: build it first (call it on a "
+                     "batch, or model.build(input_shape)), or leave model=None for algorithms "
+                     "that do not need it.")
+  return model.trainable_variables
+
+
+def _spent(model: Optional[tf.keras.Model]) -> Optional[sampling_lib.EventPair]:
+  """The events of the model's earlier private training (its DP optimizer's ledger, restored
+  with a `.keras` file), which the new optimizer continues once compiled; None if none ran."""
+  previous = None if model is None else stack.unwrap(getattr(model, "optimizer", None))
+  steps = getattr(previous, "dp_steps", None)
+  if steps is None or not int(steps.numpy()):
+    return None
+  return sampling_lib.ledger_events(previous, model.trainable_variables)
 
 
 def compute_dp_sgd_privacy(n: int, batch_size: float, noise_multiplier: float, epochs: float,

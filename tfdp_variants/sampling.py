@@ -240,9 +240,13 @@ def _segment(optimizer: StepEvents, sampling: Sampling, steps: int, variables) -
   return Segment(0, steps, sampling, *_segment_events(optimizer, sampling, variables))
 
 
+# (certified, nominal) events, the certified one None when nothing is proven.
+EventPair = tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]
+
+
 def training_events(optimizer: StepEvents, sampling: Sampling, steps: int,
-                    variables: Optional[Sequence[tf.Variable]] = None
-                    ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
+                    variables: Optional[Sequence[tf.Variable]] = None,
+                    spent: Optional[EventPair] = None) -> EventPair:
   """(certified, nominal) events of `steps` steps of `optimizer` under `sampling`.
 
   Certified (`Segment.certified_event`): Poisson with secret masks, `steps` subsampled steps; a
@@ -250,24 +254,36 @@ def training_events(optimizer: StepEvents, sampling: Sampling, steps: int,
   over the data (twice in one step where batches straddle passes). None when the optimizer's step
   has no proven bound. Nominal: `steps` Poisson-subsampled steps at q = B/N, the number papers
   report. `variables`, the trainable variables, let per-layer algorithms and the tanh filter
-  state their events before the optimizer is built.
+  state their events before the optimizer is built. `spent`: the events of what ran before (a
+  model's ledger, `ledger_events`), composed first.
   """
   segment = _segment(optimizer, sampling, steps, variables)
-  return segment.certified_event(), segment.nominal_event()
+  certified, nominal = segment.certified_event(), segment.nominal_event()
+  if spent is None:
+    return certified, nominal
+  return (None if None in (spent[0], certified)
+          else dp_accounting.ComposedDpEvent([spent[0], certified]),
+          dp_accounting.ComposedDpEvent([spent[1], nominal]))
 
 
 def noise_multiplier_for(target_epsilon: float, sampling: Sampling, steps: int, delta: float,
                          optimizer_at: Callable[[float], StepEvents], method: str = "rdp",
                          variables: Optional[Sequence[tf.Variable]] = None,
-                         nominal: bool = False) -> float:
-  """The smallest σ whose certified (or, with `nominal`, nominal) ε after `steps` is in budget.
+                         nominal: bool = False, spent: Optional[EventPair] = None) -> float:
+  """The smallest σ whose certified (or, with `nominal`, nominal) ε after `steps`, composed after
+  `spent` (`training_events`), is in budget.
 
   `optimizer_at(σ)` is the optimizer at noise multiplier σ (its events: any extra query, such as
   adaptive clipping's norm query, is paid for). Calibrated by `accounting.noise_multiplier_for`.
   """
+  if spent is not None and spent[0] is None and not nominal:
+    raise ValueError("The model's earlier training has no certified ε (steps that no privacy "
+                     "callback registered, or an uncertified algorithm), so no σ certifies a "
+                     "total: calibrate the nominal ε (nominal=True), which is no guarantee.")
 
   def event_at(sigma: float) -> dp_accounting.DpEvent:
-    certified, nominal_event = training_events(optimizer_at(sigma), sampling, steps, variables)
+    certified, nominal_event = training_events(optimizer_at(sigma), sampling, steps, variables,
+                                               spent)
     if nominal:
       return nominal_event
     if certified is None:
@@ -290,10 +306,12 @@ def _epsilons_of(certified: Optional[dp_accounting.DpEvent], nominal: dp_account
 
 
 def epsilons(optimizer: StepEvents, sampling: Sampling, steps: int, delta: float,
-             method: str = "rdp", variables: Optional[Sequence[tf.Variable]] = None
-             ) -> tuple[Optional[float], float]:
-  """(certified, nominal) ε at `delta` after `steps` steps; certified is None without a proof."""
-  return _epsilons_of(*training_events(optimizer, sampling, steps, variables), delta, method)
+             method: str = "rdp", variables: Optional[Sequence[tf.Variable]] = None,
+             spent: Optional[EventPair] = None) -> tuple[Optional[float], float]:
+  """(certified, nominal) ε at `delta` after `steps` steps (after `spent`: `training_events`);
+  certified is None without a proof."""
+  return _epsilons_of(*training_events(optimizer, sampling, steps, variables, spent), delta,
+                      method)
 
 
 # The ledger: segments of steps, each with its configuration, in the optimizer's saved state.
@@ -384,6 +402,32 @@ def close_segment(optimizer, variables: Optional[Sequence[tf.Variable]] = None) 
   ledger = _read_ledger(optimizer)
   if ledger["rows"] and ledger["rows"][-1][0] >= 0:
     _append(optimizer, ledger, _unregistered_config(optimizer, variables))
+
+
+def carried_ledger(optimizer, variables: Optional[Sequence[tf.Variable]] = None
+                   ) -> tuple[dict, int]:
+  """The optimizer's ledger with every segment's events written out (none left for the optimizer
+  that reads it to compute), and its `dp_steps`: what a new optimizer of the model continues
+  (`continue_ledger`)."""
+  configs, rows = [], []
+  for part in segments(optimizer, variables):
+    config = {"sampling": None if part.sampling is None else dataclasses.asdict(part.sampling),
+              "unit": None if part.unit is None else accounting.event_to_dict(part.unit),
+              "nominal": accounting.event_to_dict(part.nominal)}
+    if config not in configs:
+      configs.append(config)
+    rows.append([configs.index(config), part.start])
+  return {"configs": configs, "rows": rows}, _dp_steps(optimizer)
+
+
+def continue_ledger(optimizer, ledger: dict, steps: int,
+                    variables: Optional[Sequence[tf.Variable]] = None) -> None:
+  """Makes the built `optimizer`'s ledger `ledger` (of `steps` steps, `carried_ledger`'s), so that
+  its ε composes what the model spent before; its own steps start unregistered, until a privacy
+  callback opens their segment."""
+  optimizer.dp_steps.assign(steps)
+  _write_ledger(optimizer, ledger)
+  close_segment(optimizer, variables)
 
 
 def segments(optimizer, variables: Optional[Sequence[tf.Variable]] = None,

@@ -65,10 +65,16 @@ from tfdp_variants import sampling as sampling_lib
 DEFAULT_LEARNING_RATES = {"sgd": 0.35, "adam": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-3}
 
 
+# Arguments every algorithm takes, which the binary sets itself (Poisson's expected batch size) or
+# never (the debugging noise seed): not --options.
+_FLAG_SET = ("expected_batch_size", "noise_seed")
+
+
 def _options_help() -> str:
   lines = []
   for name, cls in sorted(algorithms.REGISTRY.items()):
-    params = list(inspect.signature(cls.__init__).parameters.values())[3:]
+    params = [p for p in list(inspect.signature(cls.__init__).parameters.values())[3:]
+              if p.kind is not p.VAR_KEYWORD and p.name not in _FLAG_SET]
     shown = ", ".join(f"{p.name}={p.default!r}" for p in params) or "(none)"
     lines.append(f"{name}: {shown}")
   return ("Algorithm options as key=value pairs, e.g. --options=order=clip_then_noise. By "
@@ -370,7 +376,7 @@ def _print_plan(optimizer, sigma: float, learning_rate: float, sampling: samplin
   print(f"Training {type(optimizer).__name__} ({optimizer.privacy_guarantee}), learning rate "
         f"{learning_rate:g}, C = {_CLIP.value:g}, σ = {sigma:.4g}, {sampling.describe()}, q = "
         f"{sampling.sampling_probability:.4g}, {steps_per_epoch} steps an epoch × {_EPOCHS.value} "
-        f"epochs = {steps} steps: at the end {at_end}, nominal ε = {nominal:.3f} "
+        f"epoch{'s' * (_EPOCHS.value != 1)} = {steps} steps: at the end {at_end}, nominal ε = {nominal:.3f} "
         f"({_ACCOUNTING.value.upper()}, δ = {_DELTA.value:g}).", flush=True)
 
 
@@ -431,5 +437,20 @@ def _training_data(strategy, sampling: sampling_lib.Sampling, x, y, steps_per_ep
       int(sampling.batch_size), drop_remainder=drop), None
 
 
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing, except that a help flag exits 0 (absl exits 1 once it has printed help)."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except SystemExit as e:
+    asked = any(arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS
+                for arg in argv[1:])
+    if e.code == 1 and asked:
+      raise SystemExit(0) from None
+    raise
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

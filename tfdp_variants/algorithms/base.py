@@ -40,6 +40,14 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
   return cls
 
 
+class UnknownSizeError(ValueError):
+  """A step's event needs the trainable variables' count or size (`name`) before `build`."""
+
+  def __init__(self, name: str, message: str):
+    super().__init__(message)
+    self.name = name
+
+
 class Algorithm:
   """Base class. Subclasses set `name` and `class_prefix` and implement `__call__`.
 
@@ -64,6 +72,7 @@ class Algorithm:
   name: ClassVar[str]
   class_prefix: ClassVar[str]  # Optimizer class names are class_prefix + base name, e.g. DPAdam.
   privacy_guarantee: str = "certified"
+  certified_mode: ClassVar[str] = ""  # The options that make an uncertified algorithm certified.
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, *,
                expected_batch_size: Optional[float] = None, noise_seed: Optional[int] = None):
@@ -131,7 +140,7 @@ class Algorithm:
       raise ValueError(f"{name}={given} disagrees with the {built} of the built optimizer (more "
                        f"than it was built for); leave {name} None after building.")
     if given is None and built is None:
-      raise ValueError(f"This step's privacy depends on {name}, unknown before the optimizer is "
+      raise UnknownSizeError(name, f"This step's privacy depends on {name}, unknown before the optimizer is "
                        f"built: pass {name}={how}, or ask after optimizer.build("
                        "model.trainable_variables) (or the first step).")
     # Built: the built count, also for fewer trainable variables now (layers frozen since), whose

@@ -56,6 +56,7 @@ class LayeredClip(base.Algorithm):
   name = "layered_clip"
   class_prefix = "LayeredClip"
   privacy_guarantee = "heuristic"
+  certified_mode = "certified=True"
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                total_steps: Optional[int] = None, beta: Optional[float] = None,

@@ -113,6 +113,7 @@ class NoisyGradient(base.Algorithm):
   name = "noisy_gradient"
   class_prefix = "NoisyGradient"
   privacy_guarantee = "none"  # That of the default order; instances take their own order's.
+  certified_mode = 'order="clip_then_noise"'
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                order: str = "noise_then_clip", noise_sampling: str = "projected",

@@ -47,7 +47,8 @@ class QuantileClip(base.Algorithm):
       clash with the optimizer's): the clip changes by at most a factor exp(η) per step.
       Andrew et al. recommend 0.2. Geometric only.
     clipped_count_stddev: stddev of the noise on the count of norms at or below the clip. None means
-      `expected_num_records / 20`, as Andrew et al. recommend. Geometric only.
+      E / 20, as Andrew et al. recommend, E `expected_num_records` or else the optimizer's
+      `expected_batch_size` (one of them must be set). Geometric only.
     expected_num_records: the count's denominator E; None means the denominator of the gradient
       mean (this batch's M, or the optimizer's `expected_batch_size` when set). Geometric only.
     geometric_update: C ← C·exp(−η(b̃ − q)) if True (TF Privacy's default), else C ← C − η(b̃ − q).
@@ -56,6 +57,7 @@ class QuantileClip(base.Algorithm):
   name = "quantile_clip"
   class_prefix = "QuantileClip"
   privacy_guarantee = "heuristic"  # Of the default method; instances set their own.
+  certified_mode = 'method="geometric"'
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, quantile: float = 0.5,
                per_layer: bool = False, method: str = "direct", clip_learning_rate: float = 0.2,
@@ -78,11 +80,13 @@ class QuantileClip(base.Algorithm):
       raise ValueError("clipped_count_stddev and expected_num_records configure the private "
                        "clip estimate: set method='geometric', or leave them None.")
     if method == "geometric" and clipped_count_stddev is None:
-      if expected_num_records is None:
+      records = expected_num_records or common.get("expected_batch_size")
+      if records is None:
         raise ValueError("method='geometric' needs the count noise for its privacy accounting: "
-                         "set clipped_count_stddev, or expected_num_records (the noise is then "
-                         "expected_num_records / 20, as Andrew et al. recommend).")
-      clipped_count_stddev = expected_num_records / 20
+                         "set clipped_count_stddev, or expected_num_records or (Poisson "
+                         "sampling) expected_batch_size, E (the noise is then E / 20, as Andrew "
+                         "et al. recommend).")
+      clipped_count_stddev = records / 20
     if clipped_count_stddev is not None and not 0 <= clipped_count_stddev < math.inf:
       raise ValueError("clipped_count_stddev must be a finite number >= 0, got "
                        f"{clipped_count_stddev!r}; Andrew et al. recommend "

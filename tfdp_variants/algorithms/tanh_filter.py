@@ -66,6 +66,7 @@ class TanhFilter(base.Algorithm):
   name = "tanh_filter"
   class_prefix = "TanhFilter"
   privacy_guarantee = "none"
+  certified_mode = "certified=True"
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, output_range: float = 1.0,
                active_range: float = 1.0, certified: bool = False, chunk_size: Optional[int] = None,

@@ -74,6 +74,31 @@ def _batch_sizes(x, batch_size: Optional[int], validation_split: float) -> Optio
   return {min(b, n), n % b} - {0}
 
 
+def _task_source(model, x):
+  """`x`, or the Poisson dataset under it when a KerasHub task's fit mapped its own
+  `preprocess_samples` over it: with no preprocessor that map is the identity (KerasHub packs
+  `(x, y, sample_weight)`), so the batches are the Poisson ones. A preprocessor runs on whole
+  Poisson batches, which the analysis does not see: refused, naming the fix."""
+  stage = x
+  while type(stage).__name__.lstrip("_") == "PrefetchDataset":
+    stage = stage._input_dataset  # pylint: disable=protected-access
+  if type(stage).__name__.lstrip("_") not in ("MapDataset", "ParallelMapDataset"):
+    return x
+  func = stage._map_func._func  # pylint: disable=protected-access
+  source = stage._input_dataset  # pylint: disable=protected-access
+  if (getattr(func, "__self__", None) is not model or getattr(func, "__name__", None)
+      != "preprocess_samples" or getattr(source, "sampling", None) is None):
+    return x
+  if model.preprocessor is not None:
+    raise ValueError(
+        f"{type(model).__name__}.fit maps its preprocessor ({type(model.preprocessor).__name__}) "
+        "over each private batch, code the privacy analysis does not see. Preprocess the "
+        "training examples first (x = task.preprocessor(x) on the arrays, or "
+        "dataset.map(task.preprocessor) over single examples), set task.preprocessor = None, "
+        "and give the preprocessed data to make_private.")
+  return source
+
+
 def _refuse_partial_microbatches(microbatches: int, arguments: dict) -> None:
   sizes = _batch_sizes(arguments.get("x"), arguments.get("batch_size"),
                        arguments.get("validation_split", 0.0))
@@ -95,7 +120,13 @@ keras_compile = keras.Model.compile
 @functools.wraps(keras_compile)
 def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
   """Keras' compile; with a DP optimizer, the model's looped RNNs get per-example rules
-  (`recurrence.enable`)."""
+  (`recurrence.enable`), and the optimizer continues the ledger of the model's earlier DP
+  optimizer (a reloaded model's spent budget: `continue_from`)."""
+  previous = unwrap(getattr(self, "optimizer", None))
+  given = unwrap(inspect.signature(keras_compile).bind(self, *args, **kwargs).arguments.get(
+      "optimizer"))
+  if is_dp(given) and is_dp(previous) and previous is not given:  # Refused before compiling.
+    given.continue_from(previous, self.trainable_variables)
   keras_compile(self, *args, **kwargs)
   if is_dp(unwrap(getattr(self, "optimizer", None))):
     recurrence.enable(self)
@@ -108,11 +139,21 @@ def fit(self, *args, **kwargs):
   if not is_dp(optimizer):
     return keras_fit(self, *args, **kwargs)
   arguments = inspect.signature(keras_fit).bind(self, *args, **kwargs).arguments
+  if isinstance(arguments.get("x"), tf.data.Dataset):
+    if arguments.get("validation_split"):
+      raise ValueError(
+          "fit's validation_split splits arrays only, and a private dataset's batches are drawn "
+          "from all of its examples (each in each step with probability q): hold the validation "
+          "examples out before sampling (make_private, data.poisson_dataset) and pass them as "
+          "fit(..., validation_data=(x_val, y_val)).")
+    if "shuffle" not in arguments:  # Keras ignores it for a dataset, but warns unless False.
+      kwargs["shuffle"] = False
   if optimizer.num_microbatches is not None:
     _refuse_partial_microbatches(optimizer.num_microbatches, arguments)
   recurrence.enable(self)
-  inputs = cache.FIT_INPUTS[self] = FitInputs(arguments.get("x"), arguments.get("batch_size"),
-                                         arguments.get("validation_split", 0.0))
+  inputs = cache.FIT_INPUTS[self] = FitInputs(_task_source(self, arguments.get("x")),
+                                              arguments.get("batch_size"),
+                                              arguments.get("validation_split", 0.0))
   try:
     inputs.prechecked = preflight.run(self, optimizer, arguments.get("x"), arguments.get("y"),
                                       arguments.get("sample_weight"), arguments.get("batch_size"))
