@@ -189,3 +189,19 @@ def test_a_table_written_from_the_batch_is_refused():
   y = np.zeros((B, 2), "float32")
   with pytest.raises(ValueError, match="LookupTableInsertV2.*writes a value computed from the batch"):
     _fit_one_step(model, keras.losses.MeanSquaredError(reduction="none"), x, y)
+
+
+# 3. Dice and Tversky with axis=None sum over the batch axis: they do mix, and reduction="none"
+# does not help; an axis that excludes the batch axis trains exactly.
+
+
+@pytest.mark.keras3_only
+@pytest.mark.parametrize("loss", ["Dice", "Tversky"])
+def test_overlap_losses_over_the_batch_axis_name_the_axis(loss):
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((3,)), L.Dense(2, activation="sigmoid")])
+  rng = np.random.default_rng(7)
+  x, y = rng.normal(size=(B, 3)).astype("float32"), rng.integers(0, 2, (B, 2)).astype("float32")
+  with pytest.raises(ValueError, match=f"{loss}.*reduces over the batch axis.*axis=-1"):
+    _fit_one_step(model, getattr(keras.losses, loss)(reduction="none"), x, y)
+  _assert_step_exact(model, getattr(keras.losses, loss)(reduction="none", axis=-1), x, y)
