@@ -33,8 +33,19 @@ def training_model() -> Optional[tf.keras.Model]:
 
 
 def check_per_example_loss(loss: tf.Tensor) -> None:
-  """Raises ValueError for a scalar loss: per-example losses are needed."""
+  """Raises ValueError for a scalar loss: per-example losses are needed. A compiled loss that
+  already has reduction="none" reduces over the batch axis itself (Dice, Tversky with axis=None):
+  the message names it and the axis to give instead."""
   if loss.shape.rank == 0:
+    compiled = getattr(training_model(), "loss", None)
+    if str(getattr(compiled, "reduction", "")).lower() in ("none", "reduction.none"):
+      raise ValueError(
+          f"{type(compiled).__name__}(reduction=\"none\") still gives one loss for the whole "
+          "batch: the loss itself reduces over the batch axis, which mixes every example into "
+          "every gradient (Dice and Tversky with axis=None sum over all axes, the batch's "
+          "included). Give it the axes that exclude the batch axis, e.g. axis=-1, or "
+          "axis=(1, 2, 3) for (batch, height, width, channels) masks; reduction=\"none\" "
+          "alone does not help.")
     raise ValueError(
         "DP optimizers need one loss per example, but the loss is a scalar (already averaged "
         "over the batch). Build the loss with reduction=\"none\", e.g. "

@@ -18,5 +18,6 @@ from tfdp_variants.per_example.ops import normalization
 from tfdp_variants.per_example.ops import reductions
 from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import spectral
+from tfdp_variants.per_example.ops import tables
 
 registry.freeze()

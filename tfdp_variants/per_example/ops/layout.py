@@ -114,12 +114,31 @@ def _computed_rows(op: tf.Operation, ins: list[trace.Info], memo: dict
   if from_x.index(x.axis) != 0 or not from_y:
     return None
   p = from_y[0]
-  entries = [S.entry(op.inputs[1], i, x.block, memo) for i in range(op.outputs[0].shape.rank)]
+  entries = [_entry(op.inputs[1], i, x.block, memo) for i in range(op.outputs[0].shape.rank)]
   proofs = [entries[p].multiple, _tail_rows(entries[p + 1:], op.inputs[0], x.axis, x.rows)]
   if static is not None and (static.axis, static.block) == (p, x.block):
     proofs.append(static.rows)
   proofs = [c for c in proofs if c is not None]
   return [trace.Batch(p, x.block, rows=math.lcm(*proofs))] if proofs else None
+
+
+def _entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> S.Size:
+  """`S.entry`, where a part of a concatenated shape vector may also be a Slice of another vector
+  at a fixed begin (`_fixed`): `tf.nn.softmax_cross_entropy_with_logits` reshapes its labels to
+  `concat([-1], Slice(Shape(labels), [Rank - 1], [1]))`."""
+  op = S.through_casts(shape).op
+  if op.type != "ConcatV2":
+    return S.entry(shape, i, block, memo)
+  for part in op.inputs[:-1]:
+    n = part.shape.num_elements()
+    if n is None or part.shape.rank != 1:
+      return S.UNKNOWN
+    if i < n:
+      begin = _fixed(part.op.inputs[1], memo) if part.op.type == "Slice" else None
+      return (S.entry(part, i, block, memo) if begin is None or part.op.inputs[0].shape.rank != 1
+              else S.entry(part.op.inputs[0], begin[0] + i, block, memo))
+    i -= n
+  return S.UNKNOWN
 
 
 def _tail_rows(tail: list[S.Size], x: tf.Tensor, b: int, rows: int) -> Optional[int]:
@@ -311,6 +330,17 @@ def _position(t: tf.Tensor) -> bool:
   return True
 
 
+def _fixed(begin: tf.Tensor, memo: dict) -> Optional[list[int]]:
+  """A slice's begin where the graph fixes it: a constant, or entries computed from ranks and
+  constants (`tf.nn.softmax_cross_entropy_with_logits` slices its labels' shape at
+  `Pack(Rank - 1)`); None where any entry is computed at run time."""
+  value = G.constant_value(begin)
+  if value is not None or begin.shape.rank != 1 or begin.shape[0] is None:
+    return value
+  entries = [S.entry(begin, i, (), memo).value for i in range(begin.shape[0])]
+  return None if None in entries else entries
+
+
 def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[trace.Batch]:
   """A window of rows, each one example's: a slice along axis 0 (positive stride, not shrunk) of
   the batch or of a tensor that depends on no example (a data set the step closes over, as a
@@ -322,7 +352,7 @@ def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[tra
   if (not isinstance(x, trace.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
       or not all(map(_position, op.inputs[1:]))):
     return None
-  begin = G.constant_value(op.inputs[1])
+  begin = _fixed(op.inputs[1], memo)
   if op.type == "Slice":
     size = G.constant_value(op.inputs[2])
     out = None if begin is not None and size is not None and (begin[0], size[0]) == (0, -1) else (
