@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import graph as G
@@ -154,9 +155,39 @@ def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.I
   return None
 
 
+# Integer ops a permutation is computed with (`tf.nn.softmax` on a non-last axis swaps it with the
+# last one: `concat([range(a), [rank - 1], range(a + 1, rank - 1), [a]])`).
+_FOLDS = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply,
+          "FloorMod": np.mod, "Range": np.arange}
+
+
+def _folded(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
+  """`t`'s value where constants and static ranks fix it through `_FOLDS`, Pack and ConcatV2
+  (which `tf.get_static_value` does not fold through arithmetic); None otherwise."""
+  value = tf.get_static_value(t)
+  if value is not None or depth > 16:
+    return value
+  op = t.op
+  if op.type == "Rank":
+    return None if op.inputs[0].shape.rank is None else np.int32(op.inputs[0].shape.rank)
+  if op.type not in (*_FOLDS, "Pack", "ConcatV2", "Identity"):
+    return None
+  args = [_folded(i, depth + 1) for i in op.inputs]
+  if any(a is None for a in args):
+    return None
+  if op.type == "Pack":
+    return np.stack(args, axis=op.get_attr("axis"))
+  if op.type == "ConcatV2":
+    return np.concatenate(args[:-1], axis=int(args[-1]))
+  return args[0] if op.type == "Identity" else _FOLDS[op.type](*args)
+
+
 def _transpose(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
-  perm = G.constant_value(op.inputs[1])
-  return None if perm is None or ins[1].axis is not None else trace.Batch(perm.index(ins[0].axis))
+  """The batch axis goes where the permutation, fixed at trace time, puts it."""
+  perm = _folded(op.inputs[1])
+  if perm is None or ins[1].axis is not None or ins[0].axis not in perm.tolist():
+    return None
+  return trace.Batch(perm.tolist().index(ins[0].axis))
 
 
 def _expand_dims(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
