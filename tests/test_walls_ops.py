@@ -125,3 +125,62 @@ def test_extract_patches_trains_exactly(loop):
   rng = np.random.default_rng(1)
   x = rng.normal(size=(B, 4, 4, 2)).astype("float32")
   _assert_exact(_mixer, x, rng.normal(size=(B, 2)).astype("float32"), loop)
+
+
+def _images(seed=2):
+  rng = np.random.default_rng(seed)
+  return (rng.uniform(0, 255, size=(B, 6, 6, 3)).astype("float32"),
+          rng.normal(size=(B, 2)).astype("float32"))
+
+
+def _augmented(layer):
+  def build():
+    inputs = L.Input((6, 6, 3))
+    h = L.Conv2D(2, 3)(layer()(inputs))
+    return tf.keras.Model(inputs, L.Dense(2)(L.Flatten()(h)))
+  return build
+
+
+@pytest.mark.keras3_only
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("name", ["MixUp", "CutMix"])
+def test_batch_mixing_augmentations_are_refused_as_mixing(name, loop):
+  """They pair each image with another of the batch (a shuffle of the batch axis)."""
+  layer = lambda: getattr(L, name)(name=name.lower())
+  _refused_as_mixing(_augmented(layer), *_images(), loop, name.lower(),
+                     "gathers along the batch axis.*MixUp and CutMix.*input pipeline")
+
+
+@pytest.mark.keras3_only
+def test_xlnet_attention_mask_is_refused_as_mixing():
+  """KerasHub's XLNetAttentionMaskLayer reshapes the (B, T) padding mask to (T, B): example b's
+  mask then holds other examples' entries (its output moves when another example's mask does)."""
+  keras_hub = pytest.importorskip("keras_hub")
+  rng = np.random.default_rng(3)
+  x = {"token_ids": rng.integers(1, 20, (B, 6)).astype("int32"),
+       "padding_mask": np.ones((B, 6), "int32"), "segment_ids": np.zeros((B, 6), "int32")}
+
+  def build():
+    backbone = keras_hub.models.XLNetBackbone(vocabulary_size=20, num_layers=1, num_heads=2,
+                                              hidden_dim=4, intermediate_dim=8)
+    return tf.keras.Model(backbone.input, L.Dense(2)(backbone.output[:, 0, :]))
+
+  _refused_as_mixing(build, x, rng.normal(size=(B, 2)).astype("float32"), False,
+                     "attn_mask_layer", "reshapes the batch size.*transpose.*another backbone")
+
+
+class _BandPart(L.Layer):
+  """An op no rule knows (MatrixBandPart) in the user's own layer."""
+
+  def call(self, x):
+    return tf.linalg.band_part(tf.reshape(x, [-1, 3, 3]), 0, -1)
+
+
+def test_unknown_op_names_the_layer_the_op_and_the_way_out():
+  build = lambda: tf.keras.Sequential([L.Input((9,)), L.Dense(9), _BandPart(name="my_band"),
+                                       L.Flatten(), L.Dense(2)])
+  rng = np.random.default_rng(4)
+  x, y = rng.normal(size=(B, 9)).astype("float32"), rng.normal(size=(B, 2)).astype("float32")
+  with pytest.raises(ValueError, match="Cannot prove.*\\(MatrixBandPart\\) in layer \\(name "
+                     "scope\\) '[^']*my_band[^']*'.*What you can do: .*input pipeline.*report"):
+    _step(build, x, y, False)
