@@ -203,7 +203,7 @@ def _folded_slice(op: tf.Operation, x: np.ndarray, begin: np.ndarray, end: np.nd
 
 def _mix_reshape(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
   """A reshape of example-major x (B, ...) whose new shape puts x's batch size, Shape(x)[0], on
-  a later axis p behind an axis of more than one entry: slot b of axis p then holds entries of
+  a later axis p behind an axis of a static size above 1: slot b of axis p then holds entries of
   other examples than b (flat entry i·B·r + b·r is example (i·B + b)·r // E, E each example's
   entries), as KerasHub's XLNet attention mask does with (B, T) → (T, B) where a transpose was
   meant."""
@@ -215,7 +215,7 @@ def _mix_reshape(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
     size = S.entry(op.inputs[1], p, (), {})
     if size.dim is not None and G.same(size.dim[0], op.inputs[0]) and size.dim[1] == 0:
       ahead = [S.entry(op.inputs[1], q, (), {}).value for q in range(p)]
-      if any(v is None or v > 1 for v in ahead):
+      if any(v is not None and v > 1 for v in ahead):  # Else unproven: sizes of 1 move nothing.
         return (f"reshapes the batch size Shape(x)[0] onto axis {p} behind other axes, so slot b "
                 "of that axis holds entries of examples other than b (moving the batch axis "
                 "takes a transpose, not a reshape; KerasHub's XLNet does this to its padding "
