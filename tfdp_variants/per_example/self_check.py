@@ -108,12 +108,17 @@ NO_DATA = ("The per-example loss depends on no input with the batch on axis 0: t
            "batch as an argument of the tf.function (or iterate over a tf.data.Dataset in it).")
 UNKNOWN = ("Cannot prove that each example's loss depends on that example alone: the batch-axis "
            "analysis loses the examples at {}, so whether the model mixes examples cannot be "
-           "decided on the graph's structure. Compute per-example values with ops it follows "
-           "(TensorFlow's math, array and neural-network ops, Keras layers); run Python code "
-           "(tf.py_function, tf.numpy_function) in the input pipeline, on each example, before "
-           "the step; pass each batch to the tf.function as an argument or iterate a "
+           "decided on the graph's structure, and the step is refused rather than trained on a "
+           "guess. What you can do: if that layer preprocesses or augments its input, move it "
+           "out of the model into the input pipeline, applied to each example before batching "
+           "(`dataset.map(...)` then `.batch(...)`); else build that layer's `call` from "
+           "TensorFlow's math, array and neural-network ops that keep the batch on its own axis "
+           "(Python code through tf.py_function or tf.numpy_function, reshapes that may move "
+           "entries between examples, and ops without a rule in tfdp_variants/per_example/ops/ "
+           "are not followed); pass each batch to the tf.function as an argument or iterate a "
            "tf.data.Dataset in it (a step that slices its batches from data it closes over must "
-           "slice every input at one position, with a positive stride along axis 0).")
+           "slice every input at one position, with a positive stride along axis 0). If the op "
+           "keeps each example's values apart, report its type so that a rule can be added.")
 
 
 def refuse_in_loss(loss: tf.Tensor) -> None:

@@ -48,15 +48,28 @@ def _per_example_gather(op: tf.Operation, ins: list[trace.Info]) -> bool:
       ids.axis is None or (ids.axis == params.axis and not ids.block))
 
 
+SHUFFLES = ("gathers along the batch axis by positions of no example: row i takes another "
+            "example's row (a shuffle of the batch, as MixUp and CutMix pair each example with "
+            "another: remove that layer from the model, or augment each example alone in the input "
+            "pipeline)")
+
+
 def _mix_gather(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
-  """Batched ids into batched params pick rows by another example's values. A gather along the
-  batch axis by ids of no example (a permutation; a ragged argument's row gathers, as RaggedTile
-  does) is left to `_gather`, which cannot follow it: a loss reached through it is refused as
-  unproven (`self_check.refuse_in_loss`), unless a ragged argument's rows prove it."""
+  """Batched ids into batched params pick rows by another example's values; ids of no example
+  along the batch axis of example-major params (a shuffle: `tf.random.shuffle(tf.range(B))`)
+  put one example's rows where another's were, next to that example's labels. Params of a
+  ragged argument's rows (RaggedTile) are left to `_gather`, which cannot follow them: a loss
+  reached through them is refused as unproven (`self_check.refuse_in_loss`)."""
   params, ids = ins[:2]
   if not trace.batched(params) or _per_example_gather(op, ins):
     return None
-  return trace.CROSSES if trace.batched(ids) else None
+  if trace.batched(ids):
+    return trace.CROSSES
+  axis = G.constant_value(op.inputs[2]) if op.type == "GatherV2" else 0
+  rank = G.rank(op.inputs[0])
+  along = axis is not None and rank is not None and G.norm(axis, rank) == params.axis
+  return SHUFFLES if (along and not params.block and not op.get_attr("batch_dims")
+                      and G.several(op.inputs[0], params.axis)) else None
 
 
 def _one_hot(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import graph as G
@@ -124,7 +125,7 @@ def _computed_rows(op: tf.Operation, ins: list[trace.Info], memo: dict
 
 def _entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> S.Size:
   """`S.entry`, where a part of a concatenated shape vector may also be a Slice of another vector
-  at a fixed begin (`_fixed`): `tf.nn.softmax_cross_entropy_with_logits` reshapes its labels to
+  at a fixed begin (`_folded`): `tf.nn.softmax_cross_entropy_with_logits` reshapes its labels to
   `concat([-1], Slice(Shape(labels), [Rank - 1], [1]))`."""
   op = S.through_casts(shape).op
   if op.type != "ConcatV2":
@@ -134,7 +135,7 @@ def _entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> S.Size:
     if n is None or part.shape.rank != 1:
       return S.UNKNOWN
     if i < n:
-      begin = _fixed(part.op.inputs[1], memo) if part.op.type == "Slice" else None
+      begin = _folded(part.op.inputs[1]) if part.op.type == "Slice" else None
       return (S.entry(part, i, block, memo) if begin is None or part.op.inputs[0].shape.rank != 1
               else S.entry(part.op.inputs[0], begin[0] + i, block, memo))
     i -= n
@@ -173,9 +174,80 @@ def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.I
   return None
 
 
+# Integer ops a permutation is computed with (`tf.nn.softmax` on a non-last axis swaps it with the
+# last one: `concat([range(a), [rank - 1], range(a + 1, rank - 1), [a]])`).
+# `tf.linspace` computes its slice's position with where_v2 on the rank.
+_FOLDS = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply,
+          "FloorMod": np.mod, "Range": np.arange, "Maximum": np.maximum, "Minimum": np.minimum,
+          "GreaterEqual": np.greater_equal, "Less": np.less, "Equal": np.equal,
+          "SelectV2": np.where}
+
+
+def _folded(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
+  """`t`'s value where constants and static ranks fix it through `_FOLDS`, Pack and ConcatV2
+  (which `tf.get_static_value` does not fold through arithmetic); None otherwise."""
+  value = tf.get_static_value(t)
+  if value is not None or depth > 16:
+    return value
+  op = t.op
+  if op.type == "Rank":
+    return None if op.inputs[0].shape.rank is None else np.int32(op.inputs[0].shape.rank)
+  if op.type not in (*_FOLDS, "Pack", "ConcatV2", "Identity", "StridedSlice"):
+    return None
+  args = [_folded(i, depth + 1) for i in op.inputs]
+  if any(a is None for a in args):
+    return None
+  if op.type == "StridedSlice":
+    return _folded_slice(op, *args)
+  if op.type == "Pack":
+    return np.stack(args, axis=op.get_attr("axis"))
+  if op.type == "ConcatV2":
+    return np.concatenate(args[:-1], axis=int(args[-1]))
+  return args[0] if op.type == "Identity" else _FOLDS[op.type](*args)
+
+
+def _folded_slice(op: tf.Operation, x: np.ndarray, begin: np.ndarray, end: np.ndarray,
+                  strides: np.ndarray) -> Optional[np.ndarray]:
+  """A StridedSlice of a vector `x` (`shape[i]`, `shape[i:]`) as NumPy slices it; None with
+  an ellipsis or a new axis."""
+  masks = {m: op.get_attr(f"{m}_mask") for m in ("begin", "end", "shrink_axis", "new_axis",
+                                                  "ellipsis")}
+  if x.ndim != 1 or begin.shape != (1,) or masks["new_axis"] or masks["ellipsis"]:
+    return None
+  if masks["shrink_axis"] & 1:
+    return x[int(begin[0])]
+  return x[None if masks["begin"] & 1 else int(begin[0]):
+           None if masks["end"] & 1 else int(end[0]):int(strides[0])]
+
+
+def _mix_reshape(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+  """A reshape of example-major x (B, ...) whose new shape puts x's batch size, Shape(x)[0], on
+  a later axis p behind an axis of a static size above 1: slot b of axis p then holds entries of
+  other examples than b (flat entry i·B·r + b·r is example (i·B + b)·r // E, E each example's
+  entries), as KerasHub's XLNet attention mask does with (B, T) → (T, B) where a transpose was
+  meant."""
+  x, rank = ins[0], op.outputs[0].shape.rank
+  if (not trace.batched(x) or x.block or x.axis != 0 or ins[1].axis is not None or not rank
+      or not G.several(op.inputs[0], 0)):
+    return None
+  for p in range(1, rank):
+    size = S.entry(op.inputs[1], p, (), {})
+    if size.dim is not None and G.same(size.dim[0], op.inputs[0]) and size.dim[1] == 0:
+      ahead = [S.entry(op.inputs[1], q, (), {}).value for q in range(p)]
+      if any(v is not None and v > 1 for v in ahead):  # Else unproven: sizes of 1 move nothing.
+        return (f"reshapes the batch size Shape(x)[0] onto axis {p} behind other axes, so slot b "
+                "of that axis holds entries of examples other than b (moving the batch axis "
+                "takes a transpose, not a reshape; KerasHub's XLNet does this to its padding "
+                "mask in XLNetAttentionMaskLayer: fine-tune another backbone)")
+  return None
+
+
 def _transpose(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
-  perm = G.constant_value(op.inputs[1])
-  return None if perm is None or ins[1].axis is not None else trace.Batch(perm.index(ins[0].axis))
+  """The batch axis goes where the permutation, fixed at trace time, puts it."""
+  perm = _folded(op.inputs[1])
+  if perm is None or ins[1].axis is not None or ins[0].axis not in perm.tolist():
+    return None
+  return trace.Batch(perm.tolist().index(ins[0].axis))
 
 
 def _expand_dims(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
@@ -330,17 +402,6 @@ def _position(t: tf.Tensor) -> bool:
   return True
 
 
-def _fixed(begin: tf.Tensor, memo: dict) -> Optional[list[int]]:
-  """A slice's begin where the graph fixes it: a constant, or entries computed from ranks and
-  constants (`tf.nn.softmax_cross_entropy_with_logits` slices its labels' shape at
-  `Pack(Rank - 1)`); None where any entry is computed at run time."""
-  value = G.constant_value(begin)
-  if value is not None or begin.shape.rank != 1 or begin.shape[0] is None:
-    return value
-  entries = [S.entry(begin, i, (), memo).value for i in range(begin.shape[0])]
-  return None if None in entries else entries
-
-
 def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[trace.Batch]:
   """A window of rows, each one example's: a slice along axis 0 (positive stride, not shrunk) of
   the batch or of a tensor that depends on no example (a data set the step closes over, as a
@@ -352,7 +413,8 @@ def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[tra
   if (not isinstance(x, trace.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
       or not all(map(_position, op.inputs[1:]))):
     return None
-  begin = _fixed(op.inputs[1], memo)
+  begin = _folded(op.inputs[1])
+  begin = None if begin is None else begin.tolist()
   if op.type == "Slice":
     size = G.constant_value(op.inputs[2])
     out = None if begin is not None and size is not None and (begin[0], size[0]) == (0, -1) else (
@@ -392,7 +454,8 @@ def _windowed(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[l
   return None if window is None else [window]
 
 
-FAMILY.ops(["Reshape"], axis=_reshape, known=_computed_rows, own_blocks=True, unknown_why=(
+FAMILY.ops(["Reshape"], axis=_reshape, known=_computed_rows, mix=_mix_reshape, own_blocks=True,
+           unknown_why=(
     "is a reshape not proven to keep each example's entries in rows of their own (a row may hold "
     "several examples, or the new leading size is not shown to follow the batch size: compute it "
     "from tf.shape(x)[0], or reshape the axes after the batch axis only)"))
