@@ -69,12 +69,22 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
                                                                        v.shape)
             for g, v in zip(grads, variables)]
 
-  if rules.pfor_unsafe(mb_losses):
-    signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
-    grads = tf.map_fn(one, tf.range(m), fn_output_signature=signature)
+  def jacobian():
+    if rules.pfor_unsafe(mb_losses):
+      signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+      return tf.map_fn(one, tf.range(m), fn_output_signature=signature)
+    return tf.vectorized_map(one, tf.range(m))
+
+  # No microbatch (an empty batch): no gradient, and no Jacobian, whose vectorized backward pass
+  # may fail on empty rows (pfor's StridedSliceGrad does): a noise-only step.
+  empty = lambda: [tf.zeros(tf.concat([[m], v.shape], 0), v.dtype) for v in variables]
+  size = tf.get_static_value(m)
+  if size is None:
+    grads = tf.cond(m > 0, jacobian, empty)
   else:
-    grads = tf.vectorized_map(one, tf.range(m))
-  return [F.Dense(g) for g in grads]
+    grads = jacobian() if size > 0 else empty()
+  return [F.Dense(tf.ensure_shape(g, [mb_losses.shape[0], *v.shape]))
+          for g, v in zip(grads, variables)]
 
 
 def _unread(graph: tf.Graph, m: tf.Tensor, variables: Sequence[tf.Variable]) -> list[F.Dense]:
