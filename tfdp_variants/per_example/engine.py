@@ -62,28 +62,28 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
   in a while loop (exact, M backward passes).
   """
   sources = [G.captured_handle(graph, v) for v in variables]
+  # An empty batch has no microbatch: no gradient (a noise-only step). A Jacobian over no row
+  # cannot be built (pfor's StridedSliceGrad fails on a loop of size 0, and XLA compiles every
+  # branch of a cond), so a batch of unknown size runs it over max(M, 1) rows of the losses
+  # padded by a zero row, which no variable reaches, and keeps the first M.
+  size = tf.get_static_value(m)
+  if size == 0:
+    return [F.Dense(tf.zeros([0, *v.shape], v.dtype)) for v in variables]
+  losses = mb_losses if size is not None else tf.concat([mb_losses, tf.zeros([1], mb_losses.dtype)], 0)
 
   def one(i):
-    grads = tf.gradients(tf.gather(mb_losses, i), sources)
+    grads = tf.gradients(tf.gather(losses, i), sources)
     return [tf.zeros(v.shape, v.dtype) if g is None else tf.reshape(tf.convert_to_tensor(g),
                                                                        v.shape)
             for g, v in zip(grads, variables)]
 
-  def jacobian():
-    if rules.pfor_unsafe(mb_losses):
-      signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
-      return tf.map_fn(one, tf.range(m), fn_output_signature=signature)
-    return tf.vectorized_map(one, tf.range(m))
-
-  # No microbatch (an empty batch): no gradient, and no Jacobian, whose vectorized backward pass
-  # may fail on empty rows (pfor's StridedSliceGrad does): a noise-only step.
-  empty = lambda: [tf.zeros(tf.concat([[m], v.shape], 0), v.dtype) for v in variables]
-  size = tf.get_static_value(m)
-  if size is None:
-    grads = tf.cond(m > 0, jacobian, empty)
+  rows = tf.range(m if size is not None else tf.maximum(m, 1))
+  if rules.pfor_unsafe(mb_losses):
+    signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    grads = tf.map_fn(one, rows, fn_output_signature=signature)
   else:
-    grads = jacobian() if size > 0 else empty()
-  return [F.Dense(tf.ensure_shape(g, [mb_losses.shape[0], *v.shape]))
+    grads = tf.vectorized_map(one, rows)
+  return [F.Dense(tf.ensure_shape(g[:m], [mb_losses.shape[0], *v.shape]))
           for g, v in zip(grads, variables)]
 
 
