@@ -18,50 +18,69 @@ L = tf.keras.layers
 B, C, LR = 4, 0.5, 0.5
 _LOSS = tf.keras.losses.MeanSquaredError(reduction="none")
 
-# name: (layers, input shape, input dtype); "fallback" takes the exact fallback (a string op on the
-# ids before its embedding), the others their rules.
+class _OverlappingSlices(L.Layer):
+  """Reads its variable through two overlapping slices, in matmuls whose products are sliced: no
+  rule proves it, so it takes the fallback, whose vectorized backward pass fails on an empty batch
+  (pfor's StridedSliceGrad)."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(3, 1), initializer="ones", name="w")
+
+  def call(self, h):
+    return (tf.matmul(h, tf.transpose(self.w[0:2]))[:, :1] +
+            tf.matmul(h, tf.transpose(self.w[1:3]))[:, :1])
+
+
+# name: (layers, input shape, input dtype); "fallback" takes the exact fallback, the others rules.
 _EMPTY = {
     "dense": (lambda: [L.Dense(2)], (3,), "float32"),
     "conv2d": (lambda: [L.Conv2D(2, 2), L.Flatten(), L.Dense(2)], (4, 4, 1), "float32"),
     "embedding": (lambda: [L.Embedding(5, 2), L.Flatten(), L.Dense(2)], (3,), "int32"),
-    "fallback": (lambda: [L.Lambda(lambda i: tf.strings.to_hash_bucket_fast(
-        tf.strings.as_string(i), 5)), L.Embedding(5, 2), L.Flatten(), L.Dense(2)], (3,), "int32"),
+    "fallback": (lambda: [L.Dense(1), _OverlappingSlices(), L.Dense(2)], (4,), "float32"),
 }
 
 
-@pytest.mark.parametrize("self_check", [True, False])
-@pytest.mark.parametrize("case", sorted(_EMPTY))
-def test_batch_of_static_size_zero_is_a_noise_only_step(case, self_check):
+def _empty_step(case: str, self_check: bool, sigma: float, seed: int, size):
+  """One DP step on a batch of no example, of static size 0 (fit) or of unknown size (a custom
+  loop's tf.function); returns the weights' change and the rules taken."""
   layers, shape, dtype = _EMPTY[case]
   tf.keras.utils.set_random_seed(0)
   model = tf.keras.Sequential([L.Input(shape, dtype=dtype), *layers()])
-  model.compile(optimizer=tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=0.0,
-                                              learning_rate=LR, self_check=self_check),
-                loss=_LOSS)
+  optimizer = tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=sigma, learning_rate=LR,
+                                  self_check=self_check, noise_seed=seed)
   before = model.get_weights()
-  empty = tf.data.Dataset.from_tensors((np.zeros((0, *shape), dtype),
-                                        np.zeros((0, 2), "float32")))
-  model.fit(empty, epochs=1, verbose=0)
-  for got, want in zip(model.get_weights(), before):  # No example, no noise: no change.
-    np.testing.assert_array_equal(got, want)
-  assert int(model.optimizer.iterations.numpy()) == 1
+  x, y = np.zeros((0, *shape), dtype), np.zeros((0, 2), "float32")
+  if size == 0:
+    model.compile(optimizer=optimizer, loss=_LOSS)
+    model.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+  else:
+    @tf.function(input_signature=[tf.TensorSpec((None, *shape), dtype),
+                                  tf.TensorSpec((None, 2), tf.float32)])
+    def step(x, y):
+      with tf.GradientTape() as tape:
+        loss = _LOSS(y, model(x, training=True))
+      optimizer.minimize(loss, model.trainable_variables, tape=tape)
+
+    step(x, y)
+  assert int(optimizer.iterations.numpy()) == 1
+  return [a - b for a, b in zip(model.get_weights(), before)], optimizer.per_example_rules
 
 
-def test_batch_of_static_size_zero_in_a_custom_loop_takes_noise():
-  tf.keras.utils.set_random_seed(0)
-  model = tf.keras.Sequential([L.Input((3,)), L.Dense(2)])
-  optimizer = tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=1.0, learning_rate=LR)
-  before = model.get_weights()
-
-  @tf.function
-  def step(x, y):
-    with tf.GradientTape() as tape:
-      loss = _LOSS(y, model(x, training=True))
-    optimizer.minimize(loss, model.trainable_variables, tape=tape)
-
-  step(tf.zeros((0, 3)), tf.zeros((0, 2)))
-  assert all(np.all(np.isfinite(w)) for w in model.get_weights())
-  assert not np.allclose(model.get_weights()[0], before[0])  # The noise.
+@pytest.mark.filterwarnings("ignore:.*noise_seed")
+@pytest.mark.parametrize("size", [0, None])
+@pytest.mark.parametrize("case,self_check", [(c, True) for c in sorted(_EMPTY)] +
+                         [("fallback", False)])
+def test_empty_batch_is_a_noise_only_step(case, self_check, size):
+  """Every rule and the fallback: no example, no change at sigma 0; at sigma > 0 the noise alone,
+  a draw of the seed."""
+  still, rules = _empty_step(case, self_check, 0.0, 1, size)
+  assert ("fallback" in rules) == (case == "fallback"), rules
+  for d in still:
+    np.testing.assert_array_equal(d, 0.0)
+  one, _ = _empty_step(case, self_check, 1.0, 1, size)
+  two, _ = _empty_step(case, self_check, 1.0, 2, size)
+  for a, b in zip(one, two):
+    assert np.all(np.isfinite(a)) and np.abs(a).min() > 0 and not np.allclose(a, b)
 
 
 _RANDOM = {

@@ -263,10 +263,16 @@ def test_unread_variable_gets_zero():
 
 
 class _CenterOverBatch(L.Layer):
-  """x − mean over the batch: one example's output depends on every other."""
+  """x − mean over the batch: one example's output depends on every other (also when the mean
+  is behind stop_gradient)."""
+
+  def __init__(self, stop_gradient: bool = False, **kwargs):
+    super().__init__(**kwargs)
+    self.stop_gradient = stop_gradient
 
   def call(self, x):
-    return x - tf.reduce_mean(x, axis=0)
+    mean = tf.reduce_mean(x, axis=0)
+    return x - (tf.stop_gradient(mean) if self.stop_gradient else mean)
 
 
 _FIX = "LayerNormalization/GroupNormalization"
@@ -284,19 +290,38 @@ def _images():
 
 _MIXING_LAYERS = {"batch_norm": L.BatchNormalization,
                   "sync_batch_norm": lambda: L.BatchNormalization(synchronized=True),
-                  "center_over_batch": _CenterOverBatch}
+                  "center_over_batch": _CenterOverBatch,
+                  "center_stop_gradient": lambda: _CenterOverBatch(stop_gradient=True)}
 
 
 @pytest.mark.parametrize("layer", sorted(_MIXING_LAYERS))
-@pytest.mark.parametrize("mode", ["graph", "eager"])
-def test_custom_loop_refuses_layers_that_mix_examples(layer, mode):
-  if mode == "eager" and layer != "batch_norm":
-    pytest.skip("eagerly only fused batch-normalization ops are recognized")
+@pytest.mark.parametrize("mode", ["graph", "eager", "fit_eager"])
+def test_every_route_refuses_layers_that_mix_examples(layer, mode):
+  """SPEC §6, every route analysed: a tf.function loop, an eager loop (its callable loss traced
+  for the analysis) and fit(run_eagerly=True) refuse the model before any update."""
   model, optimizer = _mixing_model(_MIXING_LAYERS[layer]()), _optimizer()
   x, y = _images()
-  step = lambda xb, yb: _minimize(optimizer, model, xb, yb)
+  before = [v.numpy() for v in model.trainable_variables]
   with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match=_FIX):
-    (tf.function(step) if mode == "graph" else step)(x, y)
+    if mode == "graph":
+      tf.function(lambda xb, yb: _minimize(optimizer, model, xb, yb))(x, y)
+    elif mode == "eager":
+      optimizer.minimize(lambda: _mse(y, model(x, training=True)), model.trainable_variables)
+    else:
+      model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"),
+                    run_eagerly=True)
+      model.fit(x, y, batch_size=B, verbose=0)
+  for got, want in zip(model.trainable_variables, before):
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_eager_tensor_loss_is_refused_with_the_fix():
+  """Eagerly, a Tensor loss and its tape leave no graph to analyse: refused, naming tf.function
+  and the callable loss, also for a model that does not mix."""
+  model, optimizer = _mixing_model(L.Identity()), _optimizer()
+  x, y = _images()
+  with pytest.raises(ValueError, match="no tf.function.*Wrap the step in tf.function.*callable"):
+    _minimize(optimizer, model, x, y)
 
 
 def test_batch_norm_on_features_refused_in_custom_loop():

@@ -122,8 +122,11 @@ def test_custom_loop_api_trains_exactly(mode, api):
   optimizer = tfdp_variants.DPSGD(CLIP, 0.0, learning_rate=LR)
 
   def step(x, y):
-    with tf.GradientTape() as tape:
-      loss = _loss()(y, model(x, training=True))
+    if mode == "eager":  # A callable loss: traced for the analysis, run eagerly.
+      loss, tape = lambda: _loss()(y, model(x, training=True)), None
+    else:
+      with tf.GradientTape() as tape:
+        loss = _loss()(y, model(x, training=True))
     if api == "minimize":
       optimizer.minimize(loss, model.trainable_variables, tape=tape)
     else:
@@ -131,6 +134,15 @@ def test_custom_loop_api_trains_exactly(mode, api):
 
   (tf.function(step) if mode == "graph" else step)(x, y)
   _assert_weights(model.get_weights(), want)
+
+
+@pytest.mark.keras2_only
+def test_fit_run_eagerly_trains_exactly():
+  """Keras 2's fit(run_eagerly=True): analysed on a synthetic batch (`preflight`), run eagerly."""
+  x, y = _data()
+  model, reference = _model(), _model()
+  want = _reference_step(reference, x, y)
+  _assert_weights(_fit_one_step(model, x, y, run_eagerly=True).get_weights(), want)
 
 
 class StepWithoutScaleLoss(tf.keras.Sequential):

@@ -76,12 +76,9 @@ def test_noise_is_added_to_clipped_sum():
 
 
 def _eager_step(optimizer, x, y):
-  """One eager step, as Keras 2's `fit(run_eagerly=True)` takes it: minimize with the tape (Keras 3
-  refuses eager `fit` steps, whose loss is gone by the time apply_gradients runs)."""
+  """One eager step of a custom loop: minimize with a callable loss (traced for the analysis)."""
   model = _model()
-  with tf.GradientTape() as tape:
-    loss = _loss()(y, model(x, training=True))
-  optimizer.minimize(loss, model.trainable_variables, tape=tape)
+  optimizer.minimize(lambda: _loss()(y, model(x, training=True)), model.trainable_variables)
   return model
 
 

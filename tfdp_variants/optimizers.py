@@ -168,10 +168,10 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
   def _dp_gradients(self, loss, var_list, tape) -> list[tuple[tf.Tensor, tf.Variable]]:
     """(privatized gradient, variable) pairs for the per-example `loss`: the step enters here,
     its context is gathered once, and the optimizer's state is built outside the trace."""
-    loss, var_list, tape = self._dp.inputs(loss, var_list, tape)
+    loss, var_list, tape, loss_fn = self._dp.inputs(loss, var_list, tape)
     with tf.init_scope():
       stack.build_optimizer(self, var_list)
-    return self._dp.run(private_step.StepContext.of(self), loss, var_list, tape)
+    return self._dp.run(private_step.StepContext.of(self), loss, var_list, tape, loss_fn)
 
   def compute_gradients(self, loss, var_list, tape=None) -> list[tuple[tf.Tensor, tf.Variable]]:
     """Privatized (gradient, variable) pairs for a custom training loop, on every stack, for

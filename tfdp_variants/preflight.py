@@ -17,6 +17,10 @@ released before the step is traced, so the two graphs are never held at once.
 
 Where the step cannot be reproduced (a custom `train_step`, a distribution strategy, a generator
 or PyDataset input, strings) the in-step check stays, on the first batch.
+
+It is also the analysis of `fit(run_eagerly=True)` (Keras 2), whose eager steps keep no graph
+(SPEC §6: every route is analysed): there, what it raises is raised, and a step it could not
+reproduce is refused by the engine with the fix.
 """
 
 from __future__ import annotations
@@ -108,10 +112,12 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
   try:
     check(xs, ys, ws)
   except tf.errors.InvalidArgumentError as e:
-    if any(text in e.message for text in _OURS):
+    if any(text in e.message for text in _OURS) or model.run_eagerly:
       raise
     return None
   except Exception:  # pylint: disable=broad-except
+    if model.run_eagerly:  # Its eager steps keep no graph: this is their only analysis.
+      raise
     return None  # The real step raises whatever is structural, with the in-step check on.
   finally:  # The model as the check found it: the first step draws what it would without it.
     for v, value in zip(state, saved):

@@ -175,10 +175,11 @@ class PrivateStep:
             if g is not None and not (released is not None and released.accepts(g, v, wrapper))]
 
   def inputs(self, loss, var_list, tape) -> tuple:
-    """The loss, variables and tape of a step, callables called; refuses a step without
-    trainable variables, an eager step without its tape, after an eager mixing layer, or under
-    an unsupported strategy."""
+    """The loss, variables, tape and (eagerly) loss function of a step, callables called;
+    refuses a step without trainable variables, an eager step without its tape, after an eager
+    mixing layer, or under an unsupported strategy."""
     replicas.check_strategy(self.owner)
+    loss_fn = loss if callable(loss) and tf.executing_eagerly() else None
     if callable(loss):
       tape = tape if tape is not None else tf.GradientTape()
       with tape:
@@ -195,7 +196,7 @@ class PrivateStep:
       logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
                           "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
                           1, self.owner)
-    return loss, var_list, tape
+    return loss, var_list, tape, loss_fn
 
   def _refuse_eager_mixing(self) -> None:
     """Refuses an eager step after a layer that mixes examples ran eagerly in training mode since
@@ -210,10 +211,11 @@ class PrivateStep:
           "`tfdp_variants.batch_norm_to_group_norm(model)` (GroupNormalization), or use "
           "LayerNormalization/GroupNormalization instead (or call it with training=False).")
 
-  def run(self, context: StepContext, loss, var_list, tape
+  def run(self, context: StepContext, loss, var_list, tape, loss_fn=None
           ) -> list[tuple[tf.Tensor, tf.Variable]]:
-    """(privatized gradient, variable) pairs for the per-example `loss`: the named steps."""
-    grads = self._per_example_gradients(context, loss, var_list, tape)
+    """(privatized gradient, variable) pairs for the per-example `loss` (eagerly, computed by
+    `loss_fn`, traced for the analysis): the named steps."""
+    grads = self._per_example_gradients(context, loss, var_list, tape, loss_fn)
     if context.wrapper is None:
       privatized = self._privatize(grads)
     else:
@@ -223,16 +225,18 @@ class PrivateStep:
       privatized = [g * tf.cast(context.wrapper.loss_scale, g.dtype) for g in privatized]
     return self._release(privatized, var_list, context.wrapper)
 
-  def _per_example_gradients(self, context: StepContext, loss, var_list, tape
+  def _per_example_gradients(self, context: StepContext, loss, var_list, tape, loss_fn
                              ) -> per_example.PerExampleGradients:
     """The engine's per-microbatch gradients, with the in-step self-check unless `fit` ran it on
-    a synthetic batch (`preflight`) and this trace takes the rules that check passed with."""
+    a synthetic batch (`preflight`) and this trace takes the rules that check passed with.
+    Eagerly, that check (Keras 2's `fit(run_eagerly=True)`) or `loss_fn`'s trace is the
+    analysis."""
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
     grads = per_example.compute(loss, tf_vars,
                                 replicas.local_count(self.num_microbatches, self.owner),
                                 tape, self.self_check,
                                 checked_rules=None if context.fit is None
-                                else context.fit.prechecked)
+                                else context.fit.prechecked, loss_fn=loss_fn)
     self.rules = tuple(grads.rules)
     if grads.self_check_flag is not None:
       self.self_check_flags.append(grads.self_check_flag)

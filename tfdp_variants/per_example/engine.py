@@ -8,13 +8,13 @@ losses vectorized with `tf.vectorized_map`. It knows nothing of clipping or nois
 It fails closed: a variable the graph of the loss does not read gets a zero gradient only
 if no enclosing graph reads it either, and is refused otherwise; batch statistics are refused; and
 on the first step of each trace `self_check.guard` compares the result with exact gradients.
+Eagerly, the loss's computation is traced for the same analysis, or the step is refused.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from absl import logging
 import tensorflow as tf
 
 from tfdp_variants import validation
@@ -62,19 +62,29 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
   in a while loop (exact, M backward passes).
   """
   sources = [G.captured_handle(graph, v) for v in variables]
+  # An empty batch has no microbatch: no gradient (a noise-only step). A Jacobian over no row
+  # cannot be built (pfor's StridedSliceGrad fails on a loop of size 0, and XLA compiles every
+  # branch of a cond), so a batch of unknown size runs it over max(M, 1) rows of the losses
+  # padded by a zero row, which no variable reaches, and keeps the first M.
+  size = tf.get_static_value(m)
+  if size == 0:
+    return [F.Dense(tf.zeros([0, *v.shape], v.dtype)) for v in variables]
+  losses = mb_losses if size is not None else tf.concat([mb_losses, tf.zeros([1], mb_losses.dtype)], 0)
 
   def one(i):
-    grads = tf.gradients(tf.gather(mb_losses, i), sources)
+    grads = tf.gradients(tf.gather(losses, i), sources)
     return [tf.zeros(v.shape, v.dtype) if g is None else tf.reshape(tf.convert_to_tensor(g),
                                                                        v.shape)
             for g, v in zip(grads, variables)]
 
+  rows = tf.range(m if size is not None else tf.maximum(m, 1))
   if rules.pfor_unsafe(mb_losses):
     signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
-    grads = tf.map_fn(one, tf.range(m), fn_output_signature=signature)
+    grads = tf.map_fn(one, rows, fn_output_signature=signature)
   else:
-    grads = tf.vectorized_map(one, tf.range(m))
-  return [F.Dense(g) for g in grads]
+    grads = tf.vectorized_map(one, rows)
+  return [F.Dense(tf.ensure_shape(g[:m], [mb_losses.shape[0], *v.shape]))
+          for g, v in zip(grads, variables)]
 
 
 def _unread(graph: tf.Graph, m: tf.Tensor, variables: Sequence[tf.Variable]) -> list[F.Dense]:
@@ -93,10 +103,34 @@ def _unread(graph: tf.Graph, m: tf.Tensor, variables: Sequence[tf.Variable]) -> 
   return [F.Dense(tf.zeros(tf.concat([[m], v.shape], 0), v.dtype)) for v in variables]
 
 
+EAGER_TENSOR = (
+    "An eager step (no tf.function) was given its per-example loss as a Tensor: its graph is "
+    "gone, so whether the model mixes the examples of the batch (batch statistics, also behind "
+    "tf.stop_gradient) cannot be decided, and per-example privacy would rest on a guess. Wrap the "
+    "step in tf.function (and leave tf.config.run_functions_eagerly off), or pass the loss as a "
+    "callable, e.g. optimizer.minimize(lambda: loss_fn(y, model(x, training=True)), "
+    "model.trainable_variables): it is traced for the analysis and run eagerly.")
+
+
+def _analyse(loss_fn: Callable[[], tf.Tensor]) -> None:
+  """Refuses what the graph route refuses, for a loss computed eagerly by `loss_fn`: traced (not
+  run) in a `tf.function`, its graph gets the graph route's analysis (`self_check.refuse_in_loss`;
+  the batch is what the function closes over, as in a `tf.function` loop that does)."""
+  loss = tf.function(loss_fn).get_concrete_function().structured_outputs
+  validation.check_per_example_loss(loss)
+  self_check_lib.refuse_in_loss(loss)
+
+
 def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Optional[int],
-           tape: Optional[tf.GradientTape]) -> PerExampleGradients:
+           tape: Optional[tf.GradientTape], loss_fn: Optional[Callable[[], tf.Tensor]],
+           checked: bool) -> PerExampleGradients:
   """The Jacobian from `tape`: one backward pass per microbatch in a loop traced once (exact, no
-  pfor, and the tape is used once), refused if the backward pass meets batch statistics."""
+  pfor, and the tape is used once), after the graph route's analysis of `loss_fn`'s trace, or of
+  a synthetic batch of the same model (`checked`); a Tensor loss alone is refused."""
+  if loss_fn is not None:
+    _analyse(loss_fn)
+  elif not checked:
+    raise ValueError(EAGER_TENSOR)
   if tape is None:
     raise ValueError("Eager per-example gradients need the GradientTape that recorded the loss; "
                      "or run inside tf.function (Keras' fit does) for the fast path.")
@@ -106,10 +140,6 @@ def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Opti
       mb_losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO,
       experimental_use_pfor=False)).get_concrete_function()
   self_check_lib.refuse_in_backward(jacobian.graph)
-  logging.log_first_n(
-      logging.INFO, "Eager per-example gradients: layers that mix examples are recognized only by "
-      "their batch-normalization ops; in tf.function (Keras' default) the self-check tests any "
-      "layer.", 1)
   return PerExampleGradients(variables, [F.Dense(j) for j in jacobian()], m).finite_only()
 
 
@@ -184,13 +214,15 @@ def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F
 
 def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
             num_microbatches: Optional[int] = None, tape: Optional[tf.GradientTape] = None,
-            self_check: bool = True,
-            checked_rules: Optional[Sequence[str]] = None) -> PerExampleGradients:
+            self_check: bool = True, checked_rules: Optional[Sequence[str]] = None,
+            loss_fn: Optional[Callable[[], tf.Tensor]] = None) -> PerExampleGradients:
   """Per-microbatch gradients of `variables` from per-example `loss` (shape (B,) or (B, ...)).
 
   In a graph (Keras' `fit`, any `tf.function`, nested ones and loops included) standard ops take
   the fast path. Eagerly, the exact Jacobian is taken from `tape`, which must have recorded the
-  forward pass. Batch statistics in the loss are refused (`self_check.refuse_batch_statistics`).
+  forward pass, once the graph route's analysis passed on `loss_fn` traced, or on a synthetic
+  batch (`checked_rules`); a Tensor loss alone is refused (SPEC §6: every route is analysed).
+  A loss whose examples the model mixes is refused (`self_check.refuse_in_loss`).
 
   Args:
     loss: per-example losses, computed from the variables in this graph (or recorded by `tape`).
@@ -203,10 +235,12 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
       every later result NaN instead of raising (`self_check`).
     checked_rules: the rules a self-check on a synthetic batch of the same model passed with
       (`preflight`): the in-step check is skipped only if this trace takes exactly these rules.
+      Eagerly, their presence says that the check, and the analysis with it, passed.
+    loss_fn: eagerly, the function that computed `loss` under `tape`, traced for the analysis.
   """
   variables = [as_tf_variable(v) for v in variables]
   if tf.executing_eagerly():
-    return _eager(loss, variables, num_microbatches, tape)
+    return _eager(loss, variables, num_microbatches, tape, loss_fn, checked_rules is not None)
 
   mb_losses, m = microbatch_losses(loss, num_microbatches)
   self_check_lib.refuse_in_loss(loss)

@@ -151,8 +151,9 @@ def why_no_loss(optimizer) -> str:
   if tf.executing_eagerly():
     return ("run_eagerly=True is not supported by fit with a DP optimizer: an eager step keeps no "
             "loss to privatize. Compile with run_eagerly=False, or train eagerly in a custom "
-            "loop with optimizer.apply_gradients(optimizer.compute_gradients(loss, variables, "
-            "tape))")
+            "loop with a callable loss (traced for the analysis): optimizer.apply_gradients("
+            "optimizer.compute_gradients(lambda: loss_fn(y, model(x, training=True)), "
+            "variables))")
   return ("its scale_loss was not given this step's per-example loss (a custom train_step that "
           "does not call optimizer.scale_loss(loss) inside its GradientTape)")
 
