@@ -211,9 +211,9 @@ def _sizes(op: tf.Operation, ins: list[trace.Info]) -> list[trace.Info]:
   Static sizes are constants. The size of a tensor's batch axis counts the examples
   (`trace.BY_BATCH`), as does a dynamic size of a tensor that holds no example (a mask of the
   batch's shape). The other dynamic sizes of a tensor with examples are its data's (a padded
-  length). A size of a tensor the analysis cannot follow, a ragged argument's rows (the examples'
-  total length) or a size computed from sizes depends on the batch's values (`trace.BY_VALUES`)
-  unless the sizes it came from count examples alone; a mixed tensor's stays mixed.
+  length). A size of a tensor the analysis cannot follow or of a ragged argument's rows (the
+  examples' total length, which only the ragged rules read) is unknown, a mixed tensor's mixed,
+  and a size computed from sizes keeps their kind.
   """
   return [_size_of(t, info, op.type == "Size") for t, info in zip(op.inputs, ins)]
 
@@ -225,7 +225,7 @@ def _size_of(t: tf.Tensor, info: trace.Info, total: bool) -> trace.Info:
   if info is None or isinstance(info, trace.Mixed):
     return info
   if trace.is_ragged(info):
-    return trace.size(trace.BY_VALUES)
+    return None  # The examples' total length: the ragged rules read it (`ops/rows.py`).
   if trace.size_kind(info) is not None:
     return trace.size(trace.size_kind(info))
   if info.axis is None or dims is None or total:
