@@ -191,12 +191,17 @@ class _ConvNorm(L.Layer):
 
 @pytest.mark.parametrize("frozen", [False, True])
 def test_batch_norm_built_inside_a_custom_layer(frozen):
-  """The copy of a custom layer builds its BatchNormalization again: refused, naming it, unless
-  it is frozen (it then runs on its moving statistics)."""
+  """A BatchNormalization a custom layer builds in its own code (frozen or not) is replaced in the
+  copy of that layer, with γ and β; the copy trains on exact per-example rules."""
+  tf.keras.utils.set_random_seed(0)
   inputs = L.Input((3,))
   model = tf.keras.Model(inputs, L.Dense(2)(_ConvNorm(frozen, name="conv_norm")(inputs)))
-  if frozen:
-    assert len(group_norm.batch_norm_to_group_norm(model).layers) == 3
-    return
-  with pytest.raises(ValueError, match="custom layers build in their own code .*conv_norm"):
-    group_norm.batch_norm_to_group_norm(model)
+  model.layers[1].norm.gamma.assign([0.5, 1.0, 1.5, 2.0])
+  copy = group_norm.batch_norm_to_group_norm(model)
+  norm = copy.layers[1].norm
+  assert isinstance(norm, L.GroupNormalization) and norm.groups == 1  # Features alone.
+  np.testing.assert_array_equal(norm.gamma.numpy(), [0.5, 1.0, 1.5, 2.0])
+  assert not any(isinstance(l, _BN) for l in copy.layers[1]._flatten_layers())
+  assert len(copy.trainable_variables) == (4 if frozen else 6)
+  x, y = np.random.default_rng(1).normal(size=(2, B, 3)).astype("float32")
+  _assert_exact_on_rules(copy, x, y[:, :2])

@@ -64,6 +64,15 @@ def _check(name, lora, exact=True):
   model, x = keras_hub_models.MODELS[name]()
   if lora:
     model.backbone.enable_lora(2)
+  rules = _check_model(model, x, exact)
+  if name in RULES and not lora:
+    assert dict(collections.Counter(rules)) == RULES[name], dict(collections.Counter(rules))
+  return rules
+
+
+def _check_model(model, x, exact=True):
+  """The rules `model`'s variables take; with `exact`, its per-example gradients checked against
+  single-example tapes."""
   y = tf.random.stateless_normal(model(x).shape, seed=[1, 2])
   ours, rules = engine_helpers.gradients_and_rules_any_batch(model, x, y, run_it=exact)
   if exact:
@@ -73,10 +82,7 @@ def _check(name, lora, exact=True):
     scale = max(np.abs(r).max() for r in ref)
     for g, r, v in zip(ours, ref, model.trainable_variables):
       np.testing.assert_allclose(g, r, rtol=1e-3, atol=1e-5 * scale, err_msg=v.path)
-  counts = collections.Counter(rules)
-  assert "fallback" not in counts, rules
-  if name in RULES and not lora:
-    assert dict(counts) == RULES[name], dict(counts)
+  assert "fallback" not in rules, rules
   return rules
 
 
@@ -136,21 +142,47 @@ def test_mixture_of_experts_trains_with_the_fix():
   assert all(np.any(v.numpy() != b) for v, b in zip(model.trainable_variables, before))
 
 
-def test_batch_normalization_is_refused_naming_the_fix():
-  """KerasHub's ResNet normalizes with batch statistics in training: refused, the message naming
-  `batch_norm_to_group_norm`."""
-  import keras_hub  # pylint: disable=import-outside-toplevel
+def _moving_statistics(model) -> set:
+  return {id(w) for layer in model._flatten_layers()  # pylint: disable=protected-access
+          if isinstance(layer, tf.keras.layers.BatchNormalization)
+          for w in (layer.moving_mean, layer.moving_variance)}
+
+
+@pytest.mark.parametrize("name", sorted(keras_hub_models.BATCH_NORM))
+def test_batch_norm_to_group_norm_trains_kerashub_vision_backbones(name):
+  """`batch_norm_to_group_norm`, the fix the refusal names, on KerasHub's own backbones: the
+  BatchNormalizations of the backbone's graph and those its blocks build in their code
+  (EfficientNet, MobileNetV3, HGNetV2) all become GroupNormalizations; every other weight and γ, β
+  are kept (CSPNet's graph also holds `keras.ops` operations, which have no weights); the copy's
+  per-example gradients are single-example ones on rules, and a private fit step trains it."""
+  import tfdp_variants  # pylint: disable=import-outside-toplevel
+  layers = tf.keras.layers
   tf.keras.utils.set_random_seed(0)
-  backbone = keras_hub.models.ResNetBackbone(
-      input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64],
-      stackwise_num_blocks=[1], stackwise_num_strides=[1], block_type="basic_block",
-      image_shape=keras_hub_models.IMAGE)
-  model = keras_hub.models.ResNetImageClassifier(backbone=backbone, num_classes=3,
-                                                 preprocessor=None)
-  x = keras_hub_models.MODELS["vit"]()[1]
+  model, x = keras_hub_models.BATCH_NORM[name]()
+  rng = np.random.default_rng(3)
+  for w in model.weights:  # γ, β and the rest away from their initial values, so copying shows.
+    w.assign(w * rng.uniform(0.5, 1.5, w.shape) + rng.normal(0, 0.1, w.shape))
+  norms = [l for l in model._flatten_layers()  # pylint: disable=protected-access
+           if isinstance(l, layers.BatchNormalization)]
   with pytest.raises(ValueError, match="batch_norm_to_group_norm"):
     _fit_private(model, x, np.arange(keras_hub_models.B) % 3)
 
+  copy = tfdp_variants.batch_norm_to_group_norm(model)
+  flat = copy._flatten_layers()  # pylint: disable=protected-access
+  assert not any(isinstance(l, layers.BatchNormalization) for l in flat)
+  assert sum(isinstance(l, layers.GroupNormalization) for l in flat) == len(norms)
+  kept = [w for w in model.weights if id(w) not in _moving_statistics(model)]
+  assert len(kept) == len(copy.weights)
+  for old, new in zip(kept, copy.weights):
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old), err_msg=old.path)
+
+  _check_model(copy, x)
+  before = [v.numpy() for v in copy.trainable_variables]
+  optimizer = _fit_private(copy, x, np.arange(keras_hub_models.B) % 3)
+  assert "fallback" not in optimizer.per_example_rules, optimizer.per_example_rules
+  assert all(np.all(np.isfinite(v.numpy())) for v in copy.trainable_variables)
+  assert sum(np.any(v.numpy() != b) for v, b in zip(copy.trainable_variables, before)) > (
+      len(before) // 2)
 
 def _private_task():
   """The tiny BERT classifier and make_private on 30 of its examples (the README's recipe)."""
