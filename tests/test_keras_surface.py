@@ -339,6 +339,11 @@ MIXES: dict[str, str] = {
     # A penalty on the batch's activations, divided by the batch size, added to the loss.
     "ActivityRegularization": "computed from the batch.*mixes the examples",
     "BatchNormalization": "statistics over the batch",
+    # Pair each example with another of the batch: a shuffle of the batch (a gather along it).
+    "CutMix": "examples are mixed.*shuffle of the batch",
+    "MixUp": "examples are mixed.*shuffle of the batch",
+    # power_to_db clips at the batch's largest power (top_db).
+    "MelSpectrogram": "examples are mixed",
     # Pairs each example with the batch's others as references.
     "Circle": "examples are mixed.*circle", "circle": "examples are mixed.*circle",
     # Whether labels are {0, 1} (then mapped to ±1) is decided on the whole batch's labels.
@@ -350,19 +355,12 @@ MIXES: dict[str, str] = {
 # Refused today although nothing mixes (SPEC §6 defects): the case's name → why it does not mix.
 # Strict xfails: a fix fails here, telling you to move the case out of this table.
 _SIZE_ONLY = "a batch-wide Max that only sizes a bincount whose length is fixed anyway"
-_ONE_ROW = "a softmax cross-entropy of each row alone (refused at a ConcatV2 in Keras' loss)"
 _CRASH = "each image alone; fit fails with AttributeError: 'str' object has no attribute '_type_enum'"
 KNOWN_WALLS: dict[str, str] = {
     "AugMix": _SIZE_ONLY,
-    "CategoryEncoding[count]": _SIZE_ONLY,
-    "CategoryEncoding[multi_hot]": _SIZE_ONLY,
     "ContrastLimitedAdaptiveHistogramEqualization": _CRASH,
     "CTC": "CTC of each sequence alone", "ctc": "CTC of each sequence alone",
-    "CategoricalCrossentropy": _ONE_ROW, "categorical_crossentropy": _ONE_ROW,
-    "CategoricalCrossentropy[softmax, label_smoothing]": _ONE_ROW,
     "Discretization": "Bucketize of each value alone",
-    "HashedCrossing": "SparseCross of each example's features alone",
-    "IntegerLookup": "a lookup of each id alone",
     "MelSpectrogram[power]": "framing and FFT of each signal alone",
     "Equalization": _SIZE_ONLY,
     "RandAugment": _SIZE_ONLY,
@@ -370,18 +368,13 @@ KNOWN_WALLS: dict[str, str] = {
     "RandomHue": _CRASH,
     "RandomPosterization": _CRASH,
     "RandomSaturation": _CRASH,
-    "Softmax[axis=1]": "a softmax over one example's sequence axis",
     "StringLookup": "a lookup of each string alone",
-    "TextVectorization": "splitting and looking up each string alone",
 }
 
 # Refused because they mix examples, but the refusal says the analysis "cannot prove" rather than
 # the mixing (issue 47 item 8): strict xfails until the message names the mixing.
 _BATCH_RATIO = "axis=None: one ratio of sums over the whole batch"
 VAGUE_REFUSALS: dict[str, str] = {
-    "CutMix": "pastes a patch of another example of the batch",
-    "MelSpectrogram": "power_to_db clips at the batch's largest power (top_db)",
-    "MixUp": "blends each example with another of the batch",
     # axis=None: one ratio of sums over the whole batch; refused as "a scalar: use
     # reduction='none'", which does not help.
     "Dice": _BATCH_RATIO, "dice": _BATCH_RATIO, "Tversky": _BATCH_RATIO, "tversky": _BATCH_RATIO,

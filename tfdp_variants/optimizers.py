@@ -20,7 +20,7 @@ import functools
 import inspect
 import re
 import warnings
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import tensorflow as tf
 
@@ -101,9 +101,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     self.expected_batch_size = algorithm.expected_batch_size
     self.noise_seed = noise_seed
     self.self_check = self_check
-    self.dp_steps: Optional[tf.Variable] = None  # Made by `_build_algorithm`.
-    self.dp_ledger: Optional[tf.Variable] = None  # Likewise.
-    self._carried: Optional[Callable[[], None]] = None  # `continue_from`'s, until built.
+    self.dp_steps = self.dp_ledger = None  # tf.Variables made by `_build_algorithm`.
 
   @property
   def per_example_rules(self) -> Optional[tuple[str, ...]]:
@@ -128,32 +126,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
           stack.add_state(self, name, tf.convert_to_tensor(value)))
       self.dp_steps = self._dp.build([per_example.as_tf_variable(v) for v in var_list], add)
       self.dp_ledger = add("dp_ledger", tf.zeros([sampling.LEDGER_CAPACITY], tf.int32))
-      self._continue_carried()
-
-  def continue_from(self, previous: "DPOptimizerMixin", variables) -> None:
-    """Continues the privacy ledger of `previous`, the model's earlier DP optimizer (compile
-    calls this), so that ε covers the budget the model already spent: a model reloaded from a
-    `.keras` file and compiled with a fresh optimizer reports the composition of both runs."""
-    if previous.dp_steps is None or not int(previous.dp_steps.numpy()):
-      return  # Nothing spent.
-    if self.dp_steps is not None and int(self.dp_steps.numpy()):
-      raise ValueError(
-          f"The model was trained privately with {type(previous).__name__} "
-          f"({int(previous.dp_steps.numpy())} steps), and the {type(self).__name__} it is now "
-          f"compiled with has run {int(self.dp_steps.numpy())} steps of its own: their ledgers "
-          "cannot be merged, so ε would omit one of them. Compile with a new optimizer (e.g. "
-          "make_private again), which continues the model's ledger.")
-    ledger, steps = sampling.carried_ledger(previous, variables)
-    variables = list(variables)
-    # A closure: Keras 2 would wrap a dict or list attribute for tracking.
-    self._carried = lambda: sampling.continue_ledger(self, ledger, steps, variables)
-    self._continue_carried()
-
-  def _continue_carried(self) -> None:
-    if self._carried is not None and self.dp_steps is not None:
-      carry, self._carried = self._carried, None
-      with tf.init_scope():
-        carry()
+      stack.carry_ledger(self)
 
   def build(self, var_list):
     """Keras optimizer API: the base class' slots, then the algorithm's state."""

@@ -19,7 +19,7 @@ Where the step cannot be reproduced (a custom `train_step`, a distribution strat
 or PyDataset input, strings) the in-step check stays, on the first batch.
 
 It is also the analysis of `fit(run_eagerly=True)` (Keras 2), whose eager steps keep no graph
-(SPEC §6: every route is analysed): there, what it raises is raised, and a step it could not
+(docs/guarantees.md: every route is analysed): there, what it raises is raised, and a step it could not
 reproduce is refused by the engine with the fix.
 """
 

@@ -221,7 +221,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   In a graph (Keras' `fit`, any `tf.function`, nested ones and loops included) standard ops take
   the fast path. Eagerly, the exact Jacobian is taken from `tape`, which must have recorded the
   forward pass, once the graph route's analysis passed on `loss_fn` traced, or on a synthetic
-  batch (`checked_rules`); a Tensor loss alone is refused (SPEC §6: every route is analysed).
+  batch (`checked_rules`); a Tensor loss alone is refused (every route is analysed: docs/guarantees.md).
   A loss whose examples the model mixes is refused (`self_check.refuse_in_loss`).
 
   Args:

@@ -26,6 +26,7 @@ from tfdp_variants.stack.chosen import remembered_loss
 from tfdp_variants.stack.chosen import steps_per_execution
 from tfdp_variants.stack.chosen import why_no_loss
 from tfdp_variants.stack.eager_mixing import eager_mixing_calls
+from tfdp_variants.stack.fit import carry_ledger
 from tfdp_variants.stack.fit import fit_inputs
 from tfdp_variants.stack.fit import FitInputs
 from tfdp_variants.stack.marker import DPOptimizerMarker

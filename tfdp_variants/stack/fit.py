@@ -121,15 +121,44 @@ keras_compile = keras.Model.compile
 def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
   """Keras' compile; with a DP optimizer, the model's looped RNNs get per-example rules
   (`recurrence.enable`), and the optimizer continues the ledger of the model's earlier DP
-  optimizer (a reloaded model's spent budget: `continue_from`)."""
+  optimizer (a reloaded model's spent budget: `continue_ledger`)."""
   previous = unwrap(getattr(self, "optimizer", None))
   given = unwrap(inspect.signature(keras_compile).bind(self, *args, **kwargs).arguments.get(
       "optimizer"))
   if is_dp(given) and is_dp(previous) and previous is not given:  # Refused before compiling.
-    given.continue_from(previous, self.trainable_variables)
+    continue_ledger(given, previous, self.trainable_variables)
   keras_compile(self, *args, **kwargs)
   if is_dp(unwrap(getattr(self, "optimizer", None))):
     recurrence.enable(self)
+
+
+def continue_ledger(given, previous, variables) -> None:
+  """Makes the DP optimizer `given` continue the privacy ledger of `previous`, the model's earlier
+  DP optimizer, so that ε covers the budget the model already spent: a model reloaded from a
+  `.keras` file and compiled with a fresh optimizer reports the composition of both runs."""
+  if previous.dp_steps is None or not int(previous.dp_steps.numpy()):
+    return  # Nothing spent.
+  if given.dp_steps is not None and int(given.dp_steps.numpy()):
+    raise ValueError(
+        f"The model was trained privately with {type(previous).__name__} "
+        f"({int(previous.dp_steps.numpy())} steps), and the {type(given).__name__} it is now "
+        f"compiled with has run {int(given.dp_steps.numpy())} steps of its own: their ledgers "
+        "cannot be merged, so ε would omit one of them. Compile with a new optimizer (e.g. "
+        "make_private again), which continues the model's ledger.")
+  ledger, steps = sampling.carried_ledger(previous, variables)
+  variables = list(variables)
+  # A closure: Keras 2 would wrap a dict or list attribute for tracking.
+  given._dp_carried = lambda: sampling.continue_ledger(given, ledger, steps, variables)  # pylint: disable=protected-access
+  carry_ledger(given)
+
+
+def carry_ledger(optimizer) -> None:
+  """Writes the ledger `continue_ledger` carried into `optimizer` once its state is built."""
+  carry = getattr(optimizer, "_dp_carried", None)
+  if carry is not None and optimizer.dp_steps is not None:
+    optimizer._dp_carried = None  # pylint: disable=protected-access
+    with tf.init_scope():
+      carry()
 
 
 @functools.wraps(keras_fit)
