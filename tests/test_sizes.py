@@ -13,19 +13,11 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
+from test_mixing_routes import _Fn  # pylint: disable=wrong-import-order
 
 L = tf.keras.layers
 B, STEPS, C, LR = 4, 2, 0.5, 0.5
 _LOSS = tf.keras.losses.MeanSquaredError(reduction="none")
-
-
-class _Fn(L.Layer):
-  def __init__(self, fn, **kwargs):
-    super().__init__(**kwargs)
-    self.fn = fn
-
-  def call(self, h):
-    return self.fn(h)
 
 
 def _count(t):
