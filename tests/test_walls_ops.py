@@ -105,6 +105,35 @@ def test_softmax_over_the_batch_axis_is_refused_as_mixing(loop):
   _refused_as_mixing(build, x[:, 0], y, loop, "bsm", "normalizes over the batch axis")
 
 
+
+class _Hue(L.Layer):
+  """keras.io's colour augmentations (RandomHue, RandomSaturation): RGB → HSV, shift, back; with
+  `batch_last`, the batch of 3 sits on the colour axis, each pixel's triple then three examples'."""
+
+  def __init__(self, batch_last=False, **kwargs):
+    super().__init__(**kwargs)
+    self.batch_last = batch_last
+
+  def call(self, x):
+    x = tf.transpose(x, [1, 2, 0]) if self.batch_last else x
+    hsv = tf.image.rgb_to_hsv(tf.sigmoid(x))
+    rgb = tf.image.hsv_to_rgb(tf.concat([tf.math.floormod(hsv[..., :1] + 0.1, 1.0),
+                                         hsv[..., 1:]], -1))
+    return tf.transpose(rgb, [2, 0, 1]) if self.batch_last else rgb
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_colour_conversions_keep_each_pixel_alone(loop):
+  """RGBToHSV and HSVToRGB read each pixel's last-axis triple: exact with the batch on axis 0,
+  refused as mixing with the batch on the colour axis (TF has no gradient for them: the layer
+  works on the data, as Keras' augmentations do)."""
+  x, y = np.random.default_rng(2).normal(size=(3, 4, 3)).astype("float32"), np.zeros((3, 2),
+                                                                                     "float32")
+  build = lambda batch_last: lambda: tf.keras.Sequential(
+      [L.Input((4, 3)), _Hue(batch_last, name="hue"), L.Flatten(), L.Dense(2)])
+  _assert_exact(build(False), x, y, loop)
+  _refused_as_mixing(build(True), x, y, loop, "hue", "combines one example")
+
 class _Patches(L.Layer):
   """keras.io's MLP-Mixer, FNet and gMLP: non-overlapping patches, flattened per image."""
 

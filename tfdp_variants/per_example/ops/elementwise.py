@@ -65,3 +65,15 @@ FAMILY.ops(_ELEMENTWISE, axis=broadcast, mix=mix_broadcast, block_safe=True)
 FAMILY.ops(_SAME, axis=first, block_safe=True)
 FAMILY.ops(["Complex"], axis=broadcast)
 FAMILY.ops(["Real", "Imag", "ComplexAbs"], axis=first)
+
+
+def _mix_colours(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+  """A colour conversion reads each pixel's last-axis triple: batched along that axis, it mixes."""
+  info, rank = ins[0], G.rank(op.inputs[0])
+  if trace.batched(info) and (rank is None or info.axis == rank - 1):
+    return trace.CROSSES
+  return None
+
+
+# Each pixel's colour triple (the last axis) alone (Keras' RandomHue, RandomSaturation).
+FAMILY.ops(["RGBToHSV", "HSVToRGB"], axis=first, mix=_mix_colours)
