@@ -36,9 +36,6 @@ keras = stack.keras
 L = keras.layers
 B = 4
 CLIP, LR = 0.05, 1.0
-# The step is refused with the mixing named (the analysis' words for a batch-wide op).
-_MIXED = "examples are mixed|statistics over the batch"
-
 
 # Inputs by kind: a model from the layer under test, and a batch for it.
 
@@ -351,6 +348,9 @@ MIXES: dict[str, str] = {
     "Hinge": "examples are mixed.*hinge/All", "hinge": "examples are mixed.*hinge/All",
     "SquaredHinge": "examples are mixed.*hinge/All",
     "squared_hinge": "examples are mixed.*hinge/All",
+    # axis=None: one ratio of sums over the whole batch (then no reduction="none" helps).
+    **{name: "examples are mixed by the loss.*axis=-1" for name in ("Dice", "dice", "Tversky",
+                                                                    "tversky")},
 }
 
 # Refused today although nothing mixes (SPEC §6 defects): the case's name → why it does not mix.
@@ -365,15 +365,6 @@ KNOWN_WALLS: dict[str, str] = {
     "Equalization": _SIZE_ONLY,
     "RandAugment": _SIZE_ONLY,
     "RandomElasticTransform": "cannot prove at a StridedSlice: each image is warped alone",
-}
-
-# Refused because they mix examples, but the refusal says the analysis "cannot prove" rather than
-# the mixing (issue 47 item 8): strict xfails until the message names the mixing.
-_BATCH_RATIO = "axis=None: one ratio of sums over the whole batch"
-VAGUE_REFUSALS: dict[str, str] = {
-    # axis=None: one ratio of sums over the whole batch; refused as "a scalar: use
-    # reduction='none'", which does not help.
-    "Dice": _BATCH_RATIO, "dice": _BATCH_RATIO, "Tversky": _BATCH_RATIO, "tversky": _BATCH_RATIO,
 }
 
 
@@ -391,20 +382,17 @@ def _layer_names() -> list[str]:
 
 
 def _param(name: str):
-  """The case, a strict xfail if it is a known wall or a vague refusal."""
+  """The case, a strict xfail if it is a known wall."""
   marks = []
   if name in KNOWN_WALLS:
     marks.append(pytest.mark.xfail(strict=True, reason=f"refused, does not mix: {KNOWN_WALLS[name]}"
                                    " (fixed? Move the case out of KNOWN_WALLS)"))
-  if name in VAGUE_REFUSALS:
-    marks.append(pytest.mark.xfail(strict=True, reason=f"mixes ({VAGUE_REFUSALS[name]}), the refusal"
-                                   " does not say so (fixed? Move the case to MIXES)"))
   return pytest.param(name, marks=marks)
 
 
 def _refusal(name: str) -> str:
   """What the refusal of a case that mixes must say; "" for a case that must train exactly."""
-  return MIXES.get(name) or (_MIXED if name in VAGUE_REFUSALS else "")
+  return MIXES.get(name, "")
 
 
 # The step and its references.

@@ -40,10 +40,10 @@ def check_per_example_loss(loss: tf.Tensor) -> None:
     compiled = getattr(training_model(), "loss", None)
     if str(getattr(compiled, "reduction", "")).lower() in ("none", "reduction.none"):
       raise ValueError(
-          f"{type(compiled).__name__}(reduction=\"none\") still gives one loss for the whole "
-          "batch: the loss itself reduces over the batch axis, which mixes every example into "
-          "every gradient (Dice and Tversky with axis=None sum over all axes, the batch's "
-          "included). Give it the axes that exclude the batch axis, e.g. axis=-1, or "
+          f"examples are mixed by the loss: {type(compiled).__name__}(reduction=\"none\") "
+          "still gives one loss for the whole batch, because the loss itself reduces over the "
+          "batch axis, which puts every example into every gradient (Dice and Tversky with "
+          "axis=None sum over all axes, the batch's included). Give it the axes that exclude the batch axis, e.g. axis=-1, or "
           "axis=(1, 2, 3) for (batch, height, width, channels) masks; reduction=\"none\" "
           "alone does not help.")
     raise ValueError(
