@@ -155,7 +155,7 @@ def test_mapped_batches_are_poisson_and_the_map_runs_on_the_sample_alone():
   assert len(sizes) == 40 and sum(sizes) == len(calls)
   assert abs(np.mean(sizes) - 10) < 4 * 3 / np.sqrt(40)  # σ = sqrt(Nq(1 - q)) = 3.
   rare = tfdp_variants.data.poisson_dataset(_augmented(20), sampling_probability=0.02, steps=20)
-  empty = [b for b in rare if len(b[0]) == 0]  # P(no empty batch in 20) = (1 - 0.98²⁰)²⁰ < 1e-9.
+  empty = [b for b in rare if len(b[0]) == 0]  # None in 20 steps: (1 - 0.98²⁰)²⁰ < 1e-9.
   assert empty and empty[0][0].shape == (0, 5) and empty[0][1].dtype == tf.int32
 
 

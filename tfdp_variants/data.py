@@ -275,7 +275,8 @@ def to_arrays(dataset: tf.data.Dataset) -> Nested:
   if count == 0:
     raise ValueError("poisson_dataset got an empty dataset.")
   stages = sampling._stages(dataset)  # pylint: disable=protected-access
-  batched = [name for name, _ in stages if name in sampling._BATCHES]  # pylint: disable=protected-access
+  batches = sampling._BATCHES  # pylint: disable=protected-access
+  batched = [name for name, _ in stages if name in batches]
   if batched:
     raise ValueError(f"poisson_dataset samples single examples, but the dataset is batched "
                      f"({batched[0]}): each of its elements would count as one example in the "
