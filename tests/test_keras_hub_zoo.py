@@ -184,13 +184,17 @@ def test_batch_norm_to_group_norm_trains_kerashub_vision_backbones(name):
   assert sum(np.any(v.numpy() != b) for v, b in zip(copy.trainable_variables, before)) > (
       len(before) // 2)
 
-def _private_task():
-  """The tiny BERT classifier and make_private on 30 of its examples (the README's recipe)."""
+def _private_task(pipeline=False):
+  """The tiny BERT classifier and make_private on 30 of its examples (the README's recipe); with
+  `pipeline`, on a tf.data pipeline of them whose map runs after sampling."""
   import tfdp_variants  # pylint: disable=import-outside-toplevel
   tf.keras.utils.set_random_seed(0)
   model, x = keras_hub_models.MODELS["bert"]()
   x = {key: np.repeat(value, 10, axis=0) for key, value in x.items()}
-  private = tfdp_variants.make_private((x, np.arange(30) % 3), target_epsilon=3.0, delta=1e-5,
+  train = (x, np.arange(30) % 3)
+  if pipeline:
+    train = tf.data.Dataset.from_tensor_slices(train).map(lambda f, y: ({**f}, y))
+  private = tfdp_variants.make_private(train, target_epsilon=3.0, delta=1e-5,
                                        epochs=1, expected_batch_size=10, learning_rate=1e-3)
   model.compile(optimizer=private.optimizer,
                 loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
@@ -198,10 +202,11 @@ def _private_task():
   return model, private
 
 
-def test_make_private_trains_a_task_as_the_readme_writes_it():
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_make_private_trains_a_task_as_the_readme_writes_it(pipeline):
   """A KerasHub task's fit maps its `preprocess_samples` over the private dataset (the identity
   without a preprocessor): still the Poisson batches, certified as planned."""
-  model, private = _private_task()
+  model, private = _private_task(pipeline)
   model.fit(private.dataset, epochs=private.epochs, callbacks=private.callbacks, verbose=0)
   assert private.callbacks[0].epsilon == pytest.approx(private.epsilon, rel=1e-9)
 

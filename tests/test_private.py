@@ -120,13 +120,74 @@ def test_an_optimizer_with_its_own_steps_does_not_take_over_a_trained_model():
   assert model.optimizer is first.optimizer
 
 
+def _augmented(n=100, calls=None):
+  """(x, y) examples with uniform noise added to each x by a map (augmentation), after the map
+  has counted its calls in `calls` (a list)."""
+  def augment(a, b):
+    if calls is not None:
+      a = a + tf.reshape(tf.py_function(lambda: calls.append(1) or 0.0, [], tf.float32), [])
+    return a + tf.random.uniform([5]), b
+  return tf.data.Dataset.from_tensor_slices(_xy(n)).map(augment)
+
+
+def test_a_random_map_draws_anew_each_epoch():
+  """make_private runs the pipeline's map after sampling, each epoch: the same example gets a
+  new draw (q = 1 keeps every example at its place in the one batch of an epoch)."""
+  tf.random.set_seed(None)  # A global seed replays a tf.data map's draws each epoch.
+  x, _ = _xy()
+  private = tfdp_variants.make_private(_augmented(), target_epsilon=3.0, delta=DELTA, epochs=2,
+                                       expected_batch_size=100)
+  noise = [(batch - x) for batch, _ in private.dataset.repeat(2)]
+  assert len(noise) == 2 and all(n.shape == (100, 5) for n in noise)
+  assert all(0 <= n.numpy().min() and n.numpy().max() < 1 for n in noise)
+  assert not np.allclose(noise[0], noise[1], atol=1e-3)
+  assert len({float(v) for v in noise[0][:, 0]}) > 90  # Each example its own draw.
+
+
+def test_mapped_batches_are_poisson_and_the_map_runs_on_the_sample_alone():
+  """Batch sizes are Binomial(N, q) (empty batches are steps too); the map runs once per sampled
+  example and step, and the dataset keeps only the source's arrays in memory."""
+  calls = []
+  pipeline = tfdp_variants.data.pipeline(_augmented(calls=calls))
+  assert not calls and pipeline.source[0].shape == (100, 5) and len(pipeline.maps) == 1
+  dataset = tfdp_variants.data.poisson_dataset(pipeline, sampling_probability=0.1, steps=40)
+  sizes = [len(b) for b, _ in dataset]
+  assert len(sizes) == 40 and sum(sizes) == len(calls)
+  assert abs(np.mean(sizes) - 10) < 4 * 3 / np.sqrt(40)  # σ = sqrt(Nq(1 - q)) = 3.
+  rare = tfdp_variants.data.poisson_dataset(_augmented(20), sampling_probability=0.02, steps=20)
+  empty = [b for b in rare if len(b[0]) == 0]  # None in 20 steps: (1 - 0.98²⁰)²⁰ < 1e-9.
+  assert empty and empty[0][0].shape == (0, 5) and empty[0][1].dtype == tf.int32
+
+
+def test_a_model_trains_on_an_augmented_pipeline():
+  model, x = _model(), _xy()[0]
+  tf.random.set_seed(None)
+  private = tfdp_variants.make_private(_augmented(), target_epsilon=3.0, delta=DELTA, epochs=2,
+                                       expected_batch_size=20, learning_rate=0.05)
+  model.compile(optimizer=private.optimizer, loss=_loss())
+  before = model.predict(x, verbose=0)
+  model.fit(private.dataset, epochs=private.epochs, callbacks=private.callbacks, verbose=0)
+  assert not np.allclose(model.predict(x, verbose=0), before)
+  assert private.callbacks[0].epsilon == pytest.approx(private.epsilon, rel=1e-9)
+
+
 def test_a_random_map_read_into_memory_is_said():
+  """Below another stage (here a cache) a random map is read once, with a warning; at the
+  pipeline's end, deterministic or random, maps run after sampling, without one."""
   x, y = _xy(20)
-  augmented = tf.data.Dataset.from_tensor_slices((x, y)).map(
-      lambda a, b: (a + tf.random.normal([5]), b))
-  with pytest.warns(UserWarning, match="MapDataset draws random numbers.*same draw.*RandomFlip"):
-    tfdp_variants.data.poisson_dataset(augmented, sampling_probability=0.2, steps=2)
+  frozen = _augmented(20).cache().map(lambda a, b: (2 * a, b))
+  with pytest.warns(UserWarning, match="MapDataset draws random numbers.*below a CacheDataset"
+                    ".*same draw.*RandomFlip"):
+    tfdp_variants.data.poisson_dataset(frozen, sampling_probability=0.2, steps=2)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tfdp_variants.data.poisson_dataset(tf.data.Dataset.from_tensor_slices((x, y)).map(
-        lambda a, b: (2 * a, b)), sampling_probability=0.2, steps=2)
+        lambda a, b: (2 * a, b)).map(lambda a, b: (a + tf.random.normal([5]), b)),
+        sampling_probability=0.2, steps=2)
+
+
+def test_a_map_after_the_batch_is_refused_naming_the_fix():
+  batched = tf.data.Dataset.from_tensor_slices(_xy(20)).batch(4).map(lambda a, b: (2 * a, b))
+  with pytest.raises(ValueError, match=r"batched.*map after the batch.*dataset.map\(f\) rather"):
+    tfdp_variants.make_private(batched, target_epsilon=3.0, delta=DELTA, epochs=1,
+                               expected_batch_size=4)

@@ -29,6 +29,7 @@ batch sizes vary (Binomial(N, q), mean q·N, possibly 0). Train on them with num
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import pathlib
 import warnings
@@ -244,19 +245,21 @@ def poisson_batches(x: Nested, y: Optional[Nested], sampling_probability: float,
   return (tf.nest.map_structure(lambda a, m=mask: a[m], data) for mask in masks)
 
 
-def _warn_if_random(dataset: tf.data.Dataset) -> None:
-  """Warns when a map of the pipeline draws random numbers: reading it once freezes the draw."""
-  for name, stage in sampling._stages(dataset):  # pylint: disable=protected-access
+def _warn_if_random(stages: Sequence[tuple[str, tf.data.Dataset]], above: str) -> None:
+  """Warns when a map among `stages`, read into memory once, draws random numbers: every epoch
+  would see the same draw."""
+  for name, stage in stages:
     function = getattr(getattr(stage, "_map_func", None), "function", None)
     ops = [] if function is None else function.graph.get_operations()
     random = sorted({op.type for op in ops if "Random" in op.type})
     if random:
       warnings.warn(
-          f"The pipeline's {name} draws random numbers ({', '.join(random)}), but make_private "
-          "and poisson_dataset read the dataset into memory once: every epoch sees the same "
-          "draw. Augment inside the model instead (Keras' random preprocessing layers, e.g. "
-          "keras.layers.RandomFlip, draw anew each step), and give the pipeline without the "
-          "random map.", stacklevel=3)
+          f"The pipeline's {name} draws random numbers ({', '.join(random)}), but it lies below "
+          f"a {above}, so make_private and poisson_dataset read its output into memory once: "
+          "every epoch sees the same draw. Move the random map after the source's last "
+          "other stage (the maps at the pipeline's end run anew on each sampled example every "
+          "epoch), or augment inside the model (Keras' random layers, e.g. "
+          "keras.layers.RandomFlip).", stacklevel=5)
       return
 
 
@@ -271,13 +274,16 @@ def to_arrays(dataset: tf.data.Dataset) -> Nested:
                      "with dataset.apply(tf.data.experimental.assert_cardinality(N)).")
   if count == 0:
     raise ValueError("poisson_dataset got an empty dataset.")
-  batched = [name for name, _ in sampling._stages(dataset)  # pylint: disable=protected-access
-             if name in sampling._BATCHES]  # pylint: disable=protected-access
+  stages = sampling._stages(dataset)  # pylint: disable=protected-access
+  batches = sampling._BATCHES  # pylint: disable=protected-access
+  batched = [name for name, _ in stages if name in batches]
   if batched:
     raise ValueError(f"poisson_dataset samples single examples, but the dataset is batched "
                      f"({batched[0]}): each of its elements would count as one example in the "
-                     "guarantee. Pass the pipeline before .batch(), or .unbatch() it.")
-  _warn_if_random(dataset)
+                     "guarantee, and a map after the batch acts on whole batches, which cannot "
+                     "run before sampling. Pass the pipeline of single examples, its maps before "
+                     "any .batch() (dataset.map(f) rather than dataset.batch(B).map(f)).")
+  _warn_if_random(stages, stages[0][0])
   try:
     chunks = list(dataset.batch(4096).as_numpy_iterator())
   except (tf.errors.InvalidArgumentError, ValueError) as e:
@@ -291,17 +297,86 @@ def to_arrays(dataset: tf.data.Dataset) -> Nested:
   return arrays
 
 
-def poisson_dataset(x: Nested | tf.data.Dataset, y: Optional[Nested] = None,
+# Stages at a pipeline's end that act on one element at a time, and the maps among them.
+_MAPS = frozenset({"MapDataset", "ParallelMapDataset"})
+_PER_ELEMENT = _MAPS | {"PrefetchDataset", "OptionsDataset"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """A tf.data pipeline of single examples, split for Poisson sampling (`pipeline`).
+
+  Attributes:
+    source: the examples before the pipeline's final per-example maps, read into memory once.
+    maps: those maps, first first, as (function, parallel): they run on each sampled example anew
+      in every step, so a random map (augmentation) draws fresh each epoch.
+  """
+
+  source: Nested
+  maps: tuple[tuple[Callable, bool], ...]
+
+  def __len__(self) -> int:
+    return num_examples(self.source)
+
+  def apply(self, examples: tf.data.Dataset) -> tf.data.Dataset:
+    """`examples` (elements like the source's) through the maps."""
+    for function, parallel in self.maps:
+      examples = examples.map(function, num_parallel_calls=tf.data.AUTOTUNE if parallel else None)
+    return examples
+
+
+def pipeline(dataset: tf.data.Dataset) -> Pipeline:
+  """`dataset` split at its final run of per-example maps (prefetch and options stages dropped):
+  what lies below is read into memory (`to_arrays`), the maps are kept to run after sampling."""
+  maps, stage = [], dataset
+  while type(stage).__name__.lstrip("_") in _PER_ELEMENT:
+    if type(stage).__name__.lstrip("_") in _MAPS:
+      function = getattr(stage._map_func, "_func", None)  # pylint: disable=protected-access
+      if function is None:  # Not rebuildable: read into memory with the source.
+        break
+      maps.append((function, type(stage).__name__.lstrip("_") == "ParallelMapDataset"))
+    stage = stage._input_dataset  # pylint: disable=protected-access
+  return Pipeline(to_arrays(stage), tuple(reversed(maps)))
+
+
+def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
+  """An empty batch of `spec`'s elements (an unknown dimension empty too)."""
+  if spec.shape.rank is None:
+    raise ValueError(f"poisson_dataset batches the pipeline's maps' outputs, and a step that "
+                     f"samples no example needs an empty batch of them, but one is {spec}, of "
+                     "unknown rank (a tf.py_function?): give it a shape in the map, e.g. "
+                     "tf.ensure_shape(value, shape).")
+  return tf.zeros((0, *[d or 0 for d in spec.shape.as_list()]), spec.dtype)
+
+
+def _mapped(batches: tf.data.Dataset, examples: Pipeline) -> tf.data.Dataset:
+  """Each batch of source examples through the pipeline's maps, one example at a time, batched
+  again (an empty batch stays one, of no examples)."""
+  spec = examples.apply(tf.data.Dataset.from_tensor_slices(
+      tf.nest.map_structure(lambda a: a[:0], examples.source))).element_spec
+  empty = tf.data.Dataset.from_tensors(tf.nest.map_structure(_zeros, spec))
+
+  def step(*parts) -> tf.data.Dataset:
+    batch = tf.nest.pack_sequence_as(batches.element_spec, tf.nest.flatten(parts))
+    size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+    mapped = examples.apply(tf.data.Dataset.from_tensor_slices(batch))
+    return mapped.batch(tf.maximum(size, 1)).concatenate(empty).take(1)
+
+  return batches.flat_map(step)
+
+
+def poisson_dataset(x: Nested | tf.data.Dataset | Pipeline, y: Optional[Nested] = None,
                     sampling_probability: Optional[float] = None, steps: Optional[int] = None,
                     seed: Optional[int] = None) -> tf.data.Dataset:
   """`poisson_batches` as a tf.data.Dataset of `steps` variable-size batches, for `model.fit`.
 
   The training set is arrays `x, y` (nested structures allowed), or a finite tf.data.Dataset of
   single examples `x` (y None; elements of any structure of fixed shapes, e.g. `(image, label)`
-  parsed from TFRecords), known size N (`assert_cardinality` when tf.data cannot tell). A dataset
-  is read once into memory; the batches are drawn from those arrays, with the same secret masks
-  and the same certificate as arrays. A random map (augmentation) is therefore drawn once, not
-  each epoch (a warning says so): augment inside the model, with Keras' random layers.
+  parsed from TFRecords), known size N (`assert_cardinality` when tf.data cannot tell), or its
+  `pipeline`. A dataset's maps at its end (`dataset.map(augment)`) run after sampling: the secret
+  masks pick examples of its source, read into memory once (the stages below those maps), and
+  each step's picks go through the maps one example at a time, anew each epoch, so a random map
+  draws fresh. A random map below another stage (a filter, a cache) is read once, with a warning.
 
   Each pass over the result (each epoch of `fit(dataset, epochs=E)`) draws new batches. `steps` =
   round(1/q) makes an epoch one expected pass over the data. Use num_microbatches=None and
@@ -316,27 +391,32 @@ def poisson_dataset(x: Nested | tf.data.Dataset, y: Optional[Nested] = None,
     >>> dataset = poisson_dataset(x, y, 0.1, steps=10)
     >>> dataset.sampling.describe(), dataset.sampling.batch_size
     ('poisson sampling, add/remove one example', 10.0)
-    >>> examples = tf.data.Dataset.from_tensor_slices((x, y))
+    >>> examples = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a + 1, b))
     >>> poisson_dataset(examples, sampling_probability=0.1, steps=10).sampling.num_examples
     100
   """
   if sampling_probability is None or steps is None:
     raise ValueError("poisson_dataset needs sampling_probability (q = B/N) and steps.")
-  if isinstance(x, tf.data.Dataset):
+  examples = None
+  if isinstance(x, (tf.data.Dataset, Pipeline)):
     if y is not None:
       raise ValueError("Pass a tf.data.Dataset of (x, y) examples alone, without y.")
-    x = to_arrays(x)
+    examples = pipeline(x) if isinstance(x, tf.data.Dataset) else x
+    x = examples.source
   data = x if y is None else (x, y)
   passes = itertools.count()
   pass_seed = lambda: None if seed is None else (seed, next(passes))
-  # The length is asserted: over a dataset of unknown size Keras makes one more train call in the
-  # first epoch, which finds no batch but still advances the optimizer's step counters (dp_steps).
   signature = tf.nest.map_structure(
       lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
   dataset = tf.data.Dataset.from_generator(
       lambda: poisson_batches(x, y, sampling_probability, steps, pass_seed()),
-      output_signature=signature
-  ).apply(tf.data.experimental.assert_cardinality(steps)).prefetch(tf.data.AUTOTUNE)
+      output_signature=signature)
+  if examples is not None and examples.maps:
+    dataset = _mapped(dataset, examples)
+  # The length is asserted: over a dataset of unknown size Keras makes one more train call in the
+  # first epoch, which finds no batch but still advances the optimizer's step counters (dp_steps).
+  dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(
+      tf.data.AUTOTUNE)
   n = num_examples(data)
   dataset.sampling = sampling.Sampling("poisson", n, sampling_probability * n,
                                        secret=seed is None)

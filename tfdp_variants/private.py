@@ -84,7 +84,9 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
 
   Args:
     train_data: `(x, y)` arrays (nested structures allowed), or a finite tf.data.Dataset of single
-      `(x, y)` examples of known size (read once into memory; `data.poisson_dataset`).
+      `(x, y)` examples of known size: its maps at the end (augmentation) run on each sampled
+      example every epoch, the source below them is read into memory once
+      (`data.poisson_dataset`).
     target_epsilon, delta: the (ε, δ) budget of the whole training.
     epochs: passes over the data (each round(N/B) steps).
     expected_batch_size: B, the expected Poisson batch size q·N.
@@ -115,7 +117,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
   if not (isinstance(epochs, int) and epochs > 0):
     raise ValueError(f"epochs must be a positive int, got {epochs!r}.")
   if isinstance(train_data, tf.data.Dataset):
-    x, y = data.to_arrays(train_data), None
+    x, y = data.pipeline(train_data), None
   elif isinstance(train_data, (tuple, list)) and len(train_data) == 2:
     x, y = train_data
   else:
