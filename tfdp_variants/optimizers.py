@@ -266,13 +266,7 @@ def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options)
   """
   if not (isinstance(base_cls, type) and issubclass(base_cls, stack.OPTIMIZER_BASES)):
     raise TypeError(f"base_cls must be a Keras optimizer class, got {base_cls!r}.")
-  if algorithm not in algorithms.REGISTRY:
-    raise ValueError(f"Unknown algorithm {algorithm!r}; choose one of "
-                     f"{sorted(algorithms.REGISTRY)}.")
-  unknown = set(options) - set(algorithms.options_of(algorithms.REGISTRY[algorithm]))
-  if unknown:
-    raise TypeError(f"Algorithm {algorithm!r} has no options {sorted(unknown)}; its options are "
-                    f"{list(algorithms.options_of(algorithms.REGISTRY[algorithm]))}.")
+  algorithms.named(algorithm, options)
   return _make_class(base_cls, algorithm, tuple(sorted(options.items())))
 
 

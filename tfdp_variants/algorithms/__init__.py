@@ -5,6 +5,7 @@ Importing a module registers its algorithms by name for `make_dp_optimizer_class
 
 from tfdp_variants.algorithms.adaptive_clip import AdaptiveClip
 from tfdp_variants.algorithms.base import Algorithm
+from tfdp_variants.algorithms.base import named
 from tfdp_variants.algorithms.base import options_of
 from tfdp_variants.algorithms.base import register
 from tfdp_variants.algorithms.base import REGISTRY

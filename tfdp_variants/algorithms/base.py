@@ -48,6 +48,17 @@ def options_of(algorithm_cls: type["Algorithm"]) -> tuple[str, ...]:
                and p.name not in ("self", "l2_norm_clip", "noise_multiplier"))
 
 
+def named(name: str, options=()) -> type["Algorithm"]:
+  """The algorithm registered as `name`, checked to take `options` (names)."""
+  if name not in REGISTRY:
+    raise ValueError(f"Unknown algorithm {name!r}; choose one of {sorted(REGISTRY)}.")
+  unknown = set(options) - set(options_of(REGISTRY[name]))
+  if unknown:
+    raise TypeError(f"Algorithm {name!r} has no options {sorted(unknown)}; its options are "
+                    f"{list(options_of(REGISTRY[name]))}.")
+  return REGISTRY[name]
+
+
 class UnknownSizeError(ValueError):
   """A step's event needs the trainable variables' count or size (`name`) before `build`."""
 

@@ -68,13 +68,7 @@ class DPPlan:
   def __post_init__(self):
     if not (isinstance(self.epochs, int) and self.epochs > 0):
       raise ValueError(f"epochs must be a positive int, got {self.epochs!r}.")
-    if self.algorithm not in algorithms.REGISTRY:
-      raise ValueError(f"Unknown algorithm {self.algorithm!r}; choose one of "
-                       f"{sorted(algorithms.REGISTRY)}.")
-    unknown = {k for k, _ in self.options} - set(algorithms.options_of(self.algorithm_cls))
-    if unknown:
-      raise TypeError(f"Algorithm {self.algorithm!r} has no options {sorted(unknown)}; its "
-                      f"options are {list(algorithms.options_of(self.algorithm_cls))}.")
+    algorithms.named(self.algorithm, [name for name, _ in self.options])
     accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), self.delta, self.accountant)
 
   def with_options(self, **options) -> "DPPlan":
