@@ -3,6 +3,7 @@ found without building an optimizer per probe; a sampling scheme and an accounta
 class and one registration."""
 
 import dataclasses
+import doctest
 
 import dp_accounting
 import numpy as np
@@ -15,6 +16,7 @@ from tfdp_variants import sampling
 from tfdp_variants.mechanism import accountants
 from tfdp_variants.mechanism import accounting
 from tfdp_variants.mechanism import DPPlan
+from tfdp_variants.mechanism import plan as plan_lib
 from tfdp_variants.mechanism import selection
 
 N, B, DELTA = 1000, 50, 1e-5
@@ -120,3 +122,8 @@ def test_an_accountant_is_one_class_and_one_registration(monkeypatch):
   assert plan.epsilons() == dataclasses.replace(plan, accountant="rdp").epsilons()
   with pytest.raises(ValueError, match="valid accountants"):
     dataclasses.replace(plan, accountant="nope")
+
+
+@pytest.mark.parametrize("module", [plan_lib, selection, accountants])
+def test_the_examples_run(module):
+  assert doctest.testmod(module).failed == 0

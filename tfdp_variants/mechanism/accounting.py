@@ -5,15 +5,9 @@ accountant replays events to answer ε at a given δ. Nothing is kept in global
 state: a `PrivacyLedger` records the events of a run and is saved with the
 model's `tf.train.Checkpoint`.
 
-Accountants (the `accountant` argument):
+Accountants (the `accountant` argument): ``"rdp"`` and ``"pld"``, dp_accounting's
+(`accountants.ACCOUNTANTS`, where TF Privacy's RDP orders and the PLD discretization are), and:
 
-- ``"rdp"``: `dp_accounting.rdp.RdpAccountant` with the RDP orders TF Privacy's
-  `compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy` uses (`RDP_ORDERS`), so
-  the numbers equal TF Privacy's.
-- ``"pld"``: `dp_accounting.pld.PLDAccountant` with
-  `PLD_VALUE_DISCRETIZATION_INTERVAL` (1e-4, the library default): the tightest
-  bound available, pessimistic only by the discretization (ε within about
-  1e-4 of a 10x finer grid for MNIST-scale DP-SGD).
 - ``"mma"`` and ``"ma"``: closed forms for DP-SGD steps of one σ and q, as the
   PIGDO paper (2022) states them: its modified moments accountant (Theorem 3,
   `mma_epsilon`) and the moments-accountant form it compares with,
