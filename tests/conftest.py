@@ -17,8 +17,8 @@ is the tf-keras leg's too, and TF 2.21's tf.distribute runs on the default leg (
 import pytest
 import tensorflow as tf
 
-from tfdp_variants import noise
 from tfdp_variants import stack
+from tfdp_variants.mechanism import noise
 
 # Two logical CPU devices, so that MirroredStrategy has two replicas without a GPU
 # (test_distributed.py); set before TensorFlow initializes its devices.

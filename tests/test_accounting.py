@@ -9,7 +9,7 @@ import pytest
 from scipy import optimize, stats
 import tensorflow as tf
 
-from tfdp_variants import accounting
+from tfdp_variants.mechanism import accounting
 
 # Copied from TF Privacy's compute_dp_sgd_privacy and compute_noise (not read from our module).
 TFP_ORDERS = ([1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5] +
@@ -45,10 +45,10 @@ def test_epsilon_matches_dp_accounting_and_pld_is_tighter(n, batch_size, sigma,
                                                            epochs):
   q, steps = _q_steps(n, batch_size, epochs)
   expected_rdp = _rdp_epsilon(q, sigma, steps)
-  got_rdp = accounting.epsilon(sigma, q, steps, DELTA, method="rdp")
+  got_rdp = accounting.epsilon(sigma, q, steps, DELTA, accountant="rdp")
   assert got_rdp == pytest.approx(expected_rdp, rel=1e-9)
 
-  got_pld = accounting.epsilon(sigma, q, steps, DELTA, method="pld")
+  got_pld = accounting.epsilon(sigma, q, steps, DELTA, accountant="pld")
   # Coarser grid than the module's 1e-4: an independent PLD computation that
   # differs only by discretization error.
   reference_pld = dp_accounting.pld.PLDAccountant(
@@ -76,8 +76,8 @@ def test_unsampled_gaussian_matches_closed_form():
   exact = _analytic_gaussian_epsilon(sigma, steps, DELTA)
   assert accounting.step_event(sigma, 1.0) == dp_accounting.GaussianDpEvent(
       sigma)
-  pld = accounting.epsilon(sigma, 1.0, steps, DELTA, method="pld")
-  rdp = accounting.epsilon(sigma, 1.0, steps, DELTA, method="rdp")
+  pld = accounting.epsilon(sigma, 1.0, steps, DELTA, accountant="pld")
+  rdp = accounting.epsilon(sigma, 1.0, steps, DELTA, accountant="rdp")
   assert pld == pytest.approx(exact, rel=1e-6)
   assert pld < rdp < exact * 1.2
 
@@ -131,7 +131,7 @@ def test_noise_multiplier_for_pld_round_trip():
     (lambda: accounting.epsilon(1.0, 0.01, 10, 1.0), "delta"),
     (lambda: accounting.epsilon(1.0, 0.01, 10, DELTA, "mom"), "'pld', 'rdp'"),
     (lambda: accounting.epsilon_of_event(
-        dp_accounting.NoOpDpEvent(), DELTA, "x"), "valid methods"),
+        dp_accounting.NoOpDpEvent(), DELTA, "x"), "valid accountants"),
     (lambda: accounting.noise_multiplier_for(0.0, 0.01, 10, DELTA),
      "target_epsilon"),
     (lambda: accounting.noise_multiplier_for(1.0, 0.01, 0, DELTA), "steps"),

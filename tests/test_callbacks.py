@@ -12,11 +12,11 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data as tfdp_data
-from tfdp_variants import stack
 from tfdp_variants import metrics
+from tfdp_variants import stack
+from tfdp_variants.mechanism import accounting
 
 L = tf.keras.layers
 N, B = 50, 16  # ceil(50 / 16) = 4 steps per epoch, the last on 2 examples, all accounted at q.
@@ -69,7 +69,7 @@ def test_module_example():
 
 def test_privacy_logger_dpadam(tmp_path, capsys):
   logger = callbacks.PrivacyLogger(N, B, delta=DELTA, log_dir=str(tmp_path), sampling="poisson")
-  pld = callbacks.PrivacyLogger(N, B, delta=DELTA, method="pld", sampling="poisson")
+  pld = callbacks.PrivacyLogger(N, B, delta=DELTA, accountant="pld", sampling="poisson")
   # Both put `epsilon` into logs: the later one in the list wins.
   model, history = _fit(tfdp_variants.DPAdam(1.0, SIGMA, learning_rate=0.01, expected_batch_size=B),
                         [pld, logger])
@@ -197,8 +197,8 @@ def test_errors():
     _fit(tfdp_variants.DPSGD(1.0, SIGMA), [callbacks.PrivacyLogger(N, B, sampling="poisson")])
   with pytest.raises(ValueError, match="sampling must be one of"):
     callbacks.PrivacyLogger(N, B, sampling="fixed")
-  with pytest.raises(ValueError, match="method"):
-    callbacks.PrivacyLogger(N, B, method="mma")
+  with pytest.raises(ValueError, match="accountant"):
+    callbacks.PrivacyLogger(N, B, accountant="mma")
   with pytest.raises(ValueError, match="exactly one"):
     callbacks.TPVDCallback()
   with pytest.raises(ValueError, match="batch_size"):

@@ -12,10 +12,10 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import private
+from tfdp_variants.mechanism import accounting
 
 from test_callbacks import _loss, _model, B, DELTA, N, SIGMA
 

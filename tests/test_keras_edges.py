@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import stack
+from tfdp_variants.mechanism import accounting
 
 keras = stack.keras
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,10 +7,10 @@ import tensorflow as tf
 
 import tfdp_variants
 import tfdp_variants.algorithms.layered_clip  # pylint: disable=unused-import  # Registers it.
-from tfdp_variants import accounting
 from tfdp_variants import models
-from tfdp_variants.per_example import PerExampleGradients
+from tfdp_variants.mechanism import accounting
 from tfdp_variants.per_example import factors
+from tfdp_variants.per_example import PerExampleGradients
 
 L = tf.keras.layers
 LayeredClipAdam = tfdp_variants.make_dp_optimizer_class(tf.keras.optimizers.Adam, "layered_clip")

@@ -6,10 +6,10 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import sampling
+from tfdp_variants.mechanism import accounting
 
 N, B, DELTA = 20, 5, 1e-5
 Q = B / N

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import noise
+from tfdp_variants.mechanism import noise
 
 L = tf.keras.layers
 B = 8

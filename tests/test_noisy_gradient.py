@@ -9,7 +9,7 @@ import tensorflow as tf
 import tfdp_variants
 import tfdp_variants.algorithms.noisy_gradient as ng  # Registers "noisy_gradient".
 from tfdp_variants import metrics
-from tfdp_variants import noise
+from tfdp_variants.mechanism import noise
 
 L = tf.keras.layers
 B = 8

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tfdp_variants
 import tfdp_variants.algorithms.pigdo  # Registers "pigdo".
-from tfdp_variants import accounting
+from tfdp_variants.mechanism import accounting
 
 L = tf.keras.layers
 DELTA = 1e-5

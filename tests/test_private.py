@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import sampling
+from tfdp_variants.mechanism import accounting
 
 from test_callbacks import _loss, _model, DELTA
 

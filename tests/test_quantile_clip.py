@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
-from tfdp_variants import noise
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import noise
 import tfdp_variants.algorithms.quantile_clip  # pylint: disable=unused-import  (registers it)
 
 L = tf.keras.layers

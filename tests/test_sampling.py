@@ -9,10 +9,10 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import sampling
+from tfdp_variants.mechanism import accounting
 
 L = tf.keras.layers
 N, B, SIGMA, DELTA = 60, 10, 1.1, 1e-5
@@ -72,7 +72,7 @@ def test_shuffle_certified_epsilon_is_a_gaussian_per_epoch():
   """E epochs of Gaussian(σ/2) = one Gaussian of σ/(2√E): checked in closed form (Balle & Wang)."""
   opt = tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=4.0)
   shuffle = sampling.Sampling("shuffle", N, B)
-  eps, _ = sampling.epsilons(opt, shuffle, 6 * 9, DELTA, method="pld")
+  eps, _ = sampling.epsilons(opt, shuffle, 6 * 9, DELTA, accountant="pld")
   mu = math.sqrt(9) / 2.0  # Sensitivity 2C over noise 4C, 9 epochs.
   want = dp_accounting.pld.PLDAccountant().compose(
       dp_accounting.GaussianDpEvent(1 / mu)).get_epsilon(DELTA)
@@ -81,7 +81,7 @@ def test_shuffle_certified_epsilon_is_a_gaussian_per_epoch():
 
 def test_calibration_meets_the_target_under_each_sampling():
   make = lambda s: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=s)
-  for kind in sampling.KINDS:
+  for kind in sampling.SELECTIONS:
     s = sampling.Sampling(kind, N, B)
     sigma = sampling.noise_multiplier_for(8.0, s, 30, DELTA, make)
     assert sampling.epsilons(make(sigma), s, 30, DELTA)[0] <= 8.0

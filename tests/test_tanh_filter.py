@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfdp_variants
 import tfdp_variants.algorithms.tanh_filter  # Registers "tanh_filter".
-from tfdp_variants import accounting
+from tfdp_variants.mechanism import accounting
 
 L = tf.keras.layers
 B = 8

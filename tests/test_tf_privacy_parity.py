@@ -21,8 +21,8 @@ from tensorflow_privacy.privacy.dp_query import quantile_adaptive_clip_sum_query
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras
 
 import tfdp_variants
-from tfdp_variants import accounting
-from tfdp_variants import large_batch
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import large_batch
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 L = tf.keras.layers
@@ -192,7 +192,7 @@ def test_epsilon_matches_tf_privacy(n, batch_size, sigma, epochs):
   q, steps = _q_steps(n, batch_size, epochs)
   expected_rdp = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
       n, batch_size, sigma, epochs, DELTA)[0]
-  got_rdp = accounting.epsilon(sigma, q, steps, DELTA, method="rdp")
+  got_rdp = accounting.epsilon(sigma, q, steps, DELTA, accountant="rdp")
   assert got_rdp == pytest.approx(expected_rdp, rel=1e-9)
 
 

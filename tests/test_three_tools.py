@@ -6,12 +6,12 @@ import pytest
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import data
-from tfdp_variants import stack
-from tfdp_variants import large_batch
-from tfdp_variants import noise
 from tfdp_variants import sanity
+from tfdp_variants import stack
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import large_batch
+from tfdp_variants.mechanism import noise
 import tfdp_variants.algorithms.adaptive_clip as adaptive_clip
 
 L = tf.keras.layers

@@ -15,10 +15,10 @@ import tensorflow as tf
 
 import test_audit
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import data
 from tfdp_variants import local_cluster
 from tfdp_variants import train
+from tfdp_variants.mechanism import accounting
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MNIST = data.MNIST_10K  # Shipped with the package.

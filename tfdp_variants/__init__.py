@@ -47,22 +47,30 @@ class _NotConverged(logging.Filter):
 with _quiet_start():  # TensorFlow and Keras load their native libraries.
   from tfdp_variants.stack import version  # Refuses a Keras backend other than TensorFlow.
 
-from tfdp_variants import accounting
 from tfdp_variants import algorithms
 from tfdp_variants import audit
 from tfdp_variants import callbacks
-from tfdp_variants import large_batch
+from tfdp_variants import data
 from tfdp_variants import losses
+from tfdp_variants import mechanism
 from tfdp_variants import metrics
 from tfdp_variants import models
 from tfdp_variants import per_example
 from tfdp_variants import private
+from tfdp_variants import sampling
 from tfdp_variants import sanity
 from tfdp_variants import stack
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.group_norm import batch_norm_to_group_norm
 from tfdp_variants.losses import bounded_labels
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import large_batch
+from tfdp_variants.mechanism import noise
+from tfdp_variants.mechanism.plan import DPPlan
+from tfdp_variants.mechanism.selection import PoissonSampling
+from tfdp_variants.mechanism.selection import Sampling
+from tfdp_variants.mechanism.selection import ShuffledBatches
 from tfdp_variants.optimizers import AdaptiveClipAdam
 from tfdp_variants.optimizers import AdaptiveClipSGD
 from tfdp_variants.optimizers import DPAdagrad
@@ -92,3 +100,17 @@ stack.install()
 __version__ = "0.1.0"
 
 logging.getLogger("absl").addFilter(_NotConverged())
+
+# The documented surface (docs/api.md; tests/test_api.py keeps them equal). `stack`, `validation`
+# and the other submodules stay importable as internal seams.
+__all__ = [
+    "AdaptiveClipAdam", "AdaptiveClipSGD", "DPAdagrad", "DPAdam", "DPRMSprop", "DPSGD",
+    "LayeredClipAdam", "LayeredClipSGD", "NoisyGradientAdam", "NoisyGradientSGD", "PIAdagrad",
+    "PIAdam", "PIRMSprop", "QuantileClipAdam", "QuantileClipSGD", "TanhFilterAdam",
+    "TanhFilterSGD", "make_dp_optimizer_class",
+    "make_private", "PrivateTraining", "DPPlan", "Sampling", "PoissonSampling", "ShuffledBatches",
+    "compute_dp_sgd_privacy", "batch_norm_to_group_norm", "bounded_labels",
+    "per_example_gradients", "enable_recurrences",
+    "mechanism", "accounting", "large_batch", "sampling", "callbacks", "data", "models",
+    "transforms", "metrics", "losses", "algorithms", "audit", "sanity",
+]

@@ -21,7 +21,7 @@ take them: `sampling="shuffle"` (the default: fit on arrays, a shuffled batched 
 certified without amplification, one replace-one Gaussian mechanism per epoch, with the
 Poisson-assumed number beside it as nominal; `sampling="poisson"` (or the `sampling` of
 `tfdp_variants.data.poisson_dataset`) is certified as a subsampled Gaussian at q = B/N
-(`tfdp_variants.sampling` says why).
+(`tfdp_variants.mechanism.selection` says why).
 
 Example (Poisson batches, the sampling whose amplification the certified ε uses):
   >>> import numpy as np, tensorflow as tf, tfdp_variants
@@ -55,13 +55,17 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from tfdp_variants import accounting
 from tfdp_variants import metrics
 from tfdp_variants import optimizers
 from tfdp_variants import per_example
-from tfdp_variants import sampling as sampling_lib
 from tfdp_variants import stack
 from tfdp_variants import summaries
+from tfdp_variants.mechanism import accountants
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import events
+from tfdp_variants.mechanism import ledger
+from tfdp_variants.mechanism import selection
+from tfdp_variants.mechanism.plan import DPPlan
 from tfdp_variants.optimizers import DPOptimizerMixin
 from tfdp_variants.summaries import DropTrainingLogs  # pylint: disable=unused-import
 
@@ -77,7 +81,7 @@ def _dp_optimizer(model: tf.keras.Model, who: str) -> DPOptimizerMixin:
   return optimizer
 
 
-def _ledger(segments: list[sampling_lib.Segment], nominal: bool) -> accounting.PrivacyLedger:
+def _ledger(segments: list[events.Segment], nominal: bool) -> accounting.PrivacyLedger:
   """A ledger of the segments' certified (or nominal) events (a segment without a certified event
   is `NonPrivateDpEvent` once per step)."""
   ledger = accounting.PrivacyLedger()
@@ -117,7 +121,7 @@ class _StepCounter(tf.keras.callbacks.Callback):
 
 
 class _Accountant(tf.keras.callbacks.Callback):
-  """ε of what the model's DP optimizer ran: the segments of its ledger (`sampling.segments`).
+  """ε of what the model's DP optimizer ran: the segments of its ledger (`ledger.segments`).
 
   The steps are the optimizer's own `dp_steps`, counted in the graph that draws the noise; the
   ledger beside them, saved with the optimizer, holds for each segment of steps the sampling and
@@ -127,24 +131,26 @@ class _Accountant(tf.keras.callbacks.Callback):
   run (its first batch); steps that no privacy callback registered (a custom loop, a fit without
   one) have no certified ε (it is None from then on), only a nominal one (q = 1).
 
-  The sampling is checked against the data fit trains on (`sampling.of_fit`): fit's batch size
+  The sampling is checked against the data fit trains on (`Sampling.of_fit`): fit's batch size
   and array length, a tf.data pipeline's batch size and size, the Poisson dataset's own sampling;
   a mismatch is refused.
 
   Attributes:
-    sampling: the `tfdp_variants.sampling.Sampling` of this fit (with what its pipeline adds).
+    sampling: the `tfdp_variants.mechanism.Sampling` of this fit (with what its pipeline adds).
     steps: the optimizer's privatized steps when last read.
     ledger, nominal_ledger: `PrivacyLedger`s of the certified and nominal events of those steps
       (a step without a certified event is `NonPrivateDpEvent`).
   """
 
   def __init__(self, num_examples: Optional[int], batch_size: Optional[float], delta: float,
-               method: str, sampling: sampling_lib.SamplingLike):
+               accountant: str, sampling: selection.SamplingLike, plan: Optional[DPPlan]):
     super().__init__()
-    self.sampling = sampling_lib.resolve(sampling, num_examples, batch_size)
-    accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, method)  # Checks δ, method.
+    if plan is not None:  # The plan's selection, δ and accountant.
+      sampling, delta, accountant = plan.selection, plan.delta, plan.accountant
+    self.sampling = selection.resolve(sampling, num_examples, batch_size)
+    accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, accountant)  # Checks both.
     self.delta = delta
-    self.method = method
+    self.accountant = accountant
     self.steps = 0
     self._optimizer: Optional[DPOptimizerMixin] = None
     self._registered = False
@@ -152,19 +158,10 @@ class _Accountant(tf.keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     self._optimizer = _dp_optimizer(self.model, type(self).__name__)
     who = type(self).__name__
-    expected = self._optimizer.expected_batch_size
-    if self.sampling.kind == "poisson" and expected != self.sampling.batch_size:
-      raise ValueError(
-          f"{who}: Poisson sampling is certified only when the optimizer divides "
-          f"by the expected batch size {self.sampling.batch_size:g} (the realized size would "
-          f"reveal the sample), but its expected_batch_size is {expected!r}. Build it with "
-          f"expected_batch_size={self.sampling.batch_size:g} and train on "
-          "tfdp_variants.data.poisson_dataset(...), or account fit's batches as "
-          "sampling=\"shuffle\".")
+    self.sampling.check_optimizer(self._optimizer.expected_batch_size, who)
     inputs = stack.fit_inputs(self.model)
     if inputs is not None:
-      self.sampling = sampling_lib.of_fit(self.sampling, inputs.x, inputs.batch_size,
-                                          inputs.validation_split, who)
+      self.sampling = self.sampling.of_fit(inputs.x, inputs.batch_size, inputs.validation_split, who)
       if inputs.registered not in (None, self.sampling):
         raise ValueError(f"{who} was told {self.sampling}, but another privacy callback of this "
                          f"fit {inputs.registered}: give them the same sampling.")
@@ -180,7 +177,7 @@ class _Accountant(tf.keras.callbacks.Callback):
     there replaces the optimizer's state) and once the optimizer is built (Keras 2 builds it in
     the first step: its restored variables take their values when made)."""
     _build(self.model, self._optimizer)
-    sampling_lib.open_segment(self._optimizer, self.sampling, self.model.trainable_variables)
+    ledger.open_segment(self._optimizer, self.sampling, self.model.trainable_variables)
     self._registered = True
     self._read_steps()
 
@@ -194,11 +191,11 @@ class _Accountant(tf.keras.callbacks.Callback):
     return self.steps
 
   def _epsilons(self, steps: int) -> tuple[Optional[float], float]:
-    return sampling_lib.ledger_epsilons(self._optimizer, self.delta, self.method,
-                                        self.model.trainable_variables, steps)
+    return ledger.ledger_epsilons(self._optimizer, self.delta, self.accountant,
+                                  self.model.trainable_variables, steps)
 
-  def _segments(self) -> list[sampling_lib.Segment]:
-    return sampling_lib.segments(self._optimizer, self.model.trainable_variables)
+  def _segments(self) -> list[events.Segment]:
+    return ledger.segments(self._optimizer, self.model.trainable_variables)
 
   @property
   def ledger(self) -> accounting.PrivacyLedger:
@@ -233,9 +230,10 @@ class PrivacyLogger(_Accountant):
     batch_size: B, the batch size given to fit (for Poisson sampling, the expected one q·N).
     delta: δ of the reported ε.
     log_dir: where tf.summary writes the scalars `epsilon` and `epsilon_nominal`; None: nowhere.
-    method: "rdp" or "pld" (`tfdp_variants.accounting`).
+    accountant: "rdp" or "pld" (`tfdp_variants.mechanism.accountants`).
     sampling: "shuffle" (fit on arrays, a shuffled batched dataset: the default), "poisson", or
       the `Sampling` of `tfdp_variants.data.poisson_dataset(...)` (then N and B may be left out).
+    plan: a `tfdp_variants.DPPlan`: its selection, δ and accountant instead of the above.
 
   Attributes:
     epsilon: the last epoch's certified ε; None when a step had no certified event.
@@ -244,9 +242,9 @@ class PrivacyLogger(_Accountant):
   """
 
   def __init__(self, num_examples: Optional[int] = None, batch_size: Optional[float] = None,
-               delta: float = 1e-5, log_dir: Optional[str] = None, method: str = "rdp",
-               sampling: sampling_lib.SamplingLike = "shuffle"):
-    super().__init__(num_examples, batch_size, delta, method, sampling)
+               delta: float = 1e-5, log_dir: Optional[str] = None, accountant: str = "rdp",
+               sampling: selection.SamplingLike = "shuffle", plan: Optional[DPPlan] = None):
+    super().__init__(num_examples, batch_size, delta, accountant, sampling, plan)
     self._summaries = [summaries.Summaries(log_dir)]
     self.epsilon: Optional[float] = None
     self.epsilon_nominal: Optional[float] = None
@@ -259,24 +257,23 @@ class PrivacyLogger(_Accountant):
 
   def _register(self) -> None:
     super()._register()  # The optimizer is built: every algorithm can state its events.
-    if self.sampling.kind == "shuffle" and not self._hinted:
+    if not self.sampling.amplified and not self._hinted:
       self._hinted = True
       self._hint_poisson()
 
   def _hint_poisson(self) -> None:
     """Says once what Poisson sampling would certify for this fit's steps, and how to switch."""
     s, epochs = self.sampling, (self.params or {}).get("epochs") or 1
-    certified, poisson = sampling_lib.epsilons(self._optimizer, s, epochs * s.steps_per_epoch,
-                                               self.delta, self.method,
-                                               self.model.trainable_variables)
+    certified, poisson = events.epsilons(self._optimizer, s, epochs * s.steps_per_epoch,
+                                         self.delta, self.accountant, self.model.trainable_variables)
     if certified is None or certified <= poisson:
       return
     print(f"PrivacyLogger: fit draws shuffled fixed-size batches, which no amplification theorem "
           f"covers: {epochs} epoch{'s' * (epochs != 1)} certify ε = {certified:.3g}, where Poisson sampling of the same "
-          f"batch size would certify ε = {poisson:.3g} ({self.method.upper()}, δ={self.delta:g}). "
+          f"batch size would certify ε = {poisson:.3g} ({accountants.get(self.accountant).label}, δ={self.delta:g}). "
           f"To switch: train = tfdp_variants.data.poisson_dataset(x, y, "
           f"sampling_probability={s.batch_size:g}/{s.num_examples}, steps="
-          f"{sampling_lib.Sampling('poisson', s.num_examples, s.batch_size).steps_per_epoch}), "
+          f"{selection.Sampling('poisson', s.num_examples, s.batch_size).steps_per_epoch}), "
           f"the optimizer's expected_batch_size={s.batch_size:g}, and "
           "PrivacyLogger(sampling=train.sampling); or tfdp_variants.make_private(...) makes all "
           "three.", flush=True)
@@ -306,7 +303,7 @@ class PrivacyLogger(_Accountant):
     else:
       stated = f"certified ε = {self.epsilon:.4g}; nominal ε = {self.epsilon_nominal:.4g}"
     # Printed when the next epoch begins or training ends: after the progress bar ends its line.
-    self._pending = (f"epoch {epoch + 1}: {stated} ({self.method.upper()}, δ={self.delta:g}; "
+    self._pending = (f"epoch {epoch + 1}: {stated} ({accountants.get(self.accountant).label}, δ={self.delta:g}; "
                      f"guarantee: {self._optimizer.privacy_guarantee}; "
                      f"{self.sampling.describe()})")
 
@@ -327,7 +324,8 @@ class PrivacyBudget(_Accountant):
 
   Args:
     target_epsilon: the ε training must not exceed.
-    num_examples, batch_size, delta, method, sampling: as for `PrivacyLogger`.
+    num_examples, batch_size, delta, accountant, sampling, plan: as for `PrivacyLogger` (a plan
+      also gives `nominal`).
     nominal: budget the nominal ε (the paper's accounting, not a guarantee). Needed for
       optimizers whose `privacy_guarantee` is not "certified"; otherwise fit raises ValueError.
 
@@ -342,13 +340,14 @@ class PrivacyBudget(_Accountant):
   """
 
   def __init__(self, target_epsilon: float, num_examples: Optional[int] = None,
-               batch_size: Optional[float] = None, delta: float = 1e-5, method: str = "rdp",
-               nominal: bool = False, sampling: sampling_lib.SamplingLike = "shuffle"):
-    super().__init__(num_examples, batch_size, delta, method, sampling)
+               batch_size: Optional[float] = None, delta: float = 1e-5, accountant: str = "rdp",
+               nominal: bool = False, sampling: selection.SamplingLike = "shuffle",
+               plan: Optional[DPPlan] = None):
+    super().__init__(num_examples, batch_size, delta, accountant, sampling, plan)
     if not target_epsilon > 0:
       raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}.")
     self.target_epsilon = float(target_epsilon)
-    self.nominal = nominal
+    self.nominal = plan.nominal if plan is not None else nominal
     self.max_steps: Optional[int] = None
     self._steps_ahead = 1
     self._epoch = 0
@@ -417,7 +416,7 @@ class PrivacyBudget(_Accountant):
     self.model.stop_training = True
     after = self._budgeted_epsilon(steps + ahead)
     print(f"PrivacyBudget: stopped after step {steps} at {self._kind} ε = "
-          f"{self._budgeted_epsilon(steps):.4g} ({self.method.upper()}, δ={self.delta:g}; "
+          f"{self._budgeted_epsilon(steps):.4g} ({accountants.get(self.accountant).label}, δ={self.delta:g}; "
           f"{self.sampling.describe()}): step {steps + ahead} would reach ε = {after:.4g} > "
           f"target {self.target_epsilon:g}.", flush=True)
 

@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 import warnings
 from typing import ClassVar, Optional
@@ -28,14 +27,9 @@ from tfdp_variants import algorithms
 from tfdp_variants import per_example
 from tfdp_variants import private_step
 from tfdp_variants import replicas
-from tfdp_variants import sampling
 from tfdp_variants import stack
-
-
-def _options_of(algorithm_cls: type[algorithms.Algorithm]) -> tuple[str, ...]:
-  params = inspect.signature(algorithm_cls.__init__).parameters.values()
-  return tuple(p.name for p in params if p.kind is not p.VAR_KEYWORD
-               and p.name not in ("self", "l2_norm_clip", "noise_multiplier"))
+from tfdp_variants.mechanism import ledger
+from tfdp_variants.mechanism.events import Events
 
 
 class DPOptimizerMixin(stack.DPOptimizerMarker):
@@ -48,7 +42,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     expected_batch_size: for Poisson sampling, the expected batch size q·N (Opacus' name): the
       noised sum is divided by it, not by the realized batch size, which the update would reveal
       un-noised. Needs num_microbatches None (a Poisson batch cannot be split into equal parts).
-    noise_seed: None (default): the noise is secret, from OS entropy (`tfdp_variants.noise`). An
+    noise_seed: None (default): the noise is secret, from OS entropy (`tfdp_variants.mechanism.noise`). An
       int makes it reproducible, for debugging only: then `privacy_guarantee` is "none" and the
       certified event None, since anyone who knows the seed can remove the noise.
     self_check: on the first step after each trace, compare the per-example gradients with exact
@@ -61,7 +55,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     dp_steps: an int64 variable counting privatized steps, incremented in the graph of each step
       (every step of a `steps_per_execution` loop) and saved with the optimizer's state.
     dp_ledger: the segments of those steps, each with the sampling and events it ran under, saved
-      likewise (`tfdp_variants.sampling.segments`; the privacy callbacks open them).
+      likewise (`tfdp_variants.mechanism.ledger.segments`; the privacy callbacks open them).
 
   The step is a `private_step.PrivateStep`; this class adapts it to Keras (hooks, the release
   guard's Keras side `_guarded`, serialization).
@@ -82,7 +76,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       raise ValueError("loss_scale_factor is not supported by DP optimizers: the per-example "
                        "gradients are clipped at their true scale. Leave it None.")
     options = dict(self.default_options)
-    options.update({k: kwargs.pop(k) for k in _options_of(self.algorithm_cls) if k in kwargs})
+    options.update({k: kwargs.pop(k) for k in algorithms.options_of(self.algorithm_cls) if k in kwargs})
     algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options,
                                    expected_batch_size=expected_batch_size, noise_seed=noise_seed)
     step = private_step.PrivateStep(algorithm, num_microbatches, self_check, type(self).__name__)
@@ -114,7 +108,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
 
   def events(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
              num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-             ) -> sampling.Events:
+             ) -> Events:
     """One step's certified and nominal events, without sampling (`PrivateStep.events`)."""
     return self._dp.events(batch_size, replace_one=replace_one, num_layers=num_layers,
                            num_parameters=num_parameters)
@@ -125,7 +119,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       add = lambda name, value: per_example.as_tf_variable(
           stack.add_state(self, name, tf.convert_to_tensor(value)))
       self.dp_steps = self._dp.build([per_example.as_tf_variable(v) for v in var_list], add)
-      self.dp_ledger = add("dp_ledger", tf.zeros([sampling.LEDGER_CAPACITY], tf.int32))
+      self.dp_ledger = add("dp_ledger", tf.zeros([ledger.LEDGER_CAPACITY], tf.int32))
       stack.carry_ledger(self)
 
   def build(self, var_list):
@@ -272,13 +266,7 @@ def make_dp_optimizer_class(base_cls: type, algorithm: str = "dpsgd", **options)
   """
   if not (isinstance(base_cls, type) and issubclass(base_cls, stack.OPTIMIZER_BASES)):
     raise TypeError(f"base_cls must be a Keras optimizer class, got {base_cls!r}.")
-  if algorithm not in algorithms.REGISTRY:
-    raise ValueError(f"Unknown algorithm {algorithm!r}; choose one of "
-                     f"{sorted(algorithms.REGISTRY)}.")
-  unknown = set(options) - set(_options_of(algorithms.REGISTRY[algorithm]))
-  if unknown:
-    raise TypeError(f"Algorithm {algorithm!r} has no options {sorted(unknown)}; its options are "
-                    f"{list(_options_of(algorithms.REGISTRY[algorithm]))}.")
+  algorithms.named(algorithm, options)
   return _make_class(base_cls, algorithm, tuple(sorted(options.items())))
 
 

@@ -23,18 +23,21 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple, Optional, Union
 
 import tensorflow as tf
 
-from tfdp_variants import accounting
+from tfdp_variants import algorithms
 from tfdp_variants import callbacks as callbacks_lib
 from tfdp_variants import data
+from tfdp_variants import mechanism
 from tfdp_variants import optimizers
-from tfdp_variants import sampling as sampling_lib
 from tfdp_variants import stack
 from tfdp_variants.algorithms import base as base_algorithm
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import ledger
 
 # Keras base optimizers by name (the binary's --optimizer).
 BASES = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam,
@@ -56,6 +59,7 @@ class PrivateTraining(NamedTuple):
       spent before), at most the target.
     epochs, steps_per_epoch, steps: the plan σ was calibrated for.
     sampling: the dataset's `Sampling`.
+    plan: the whole mechanism (`mechanism.DPPlan`), σ calibrated, on the dataset's `sampling`.
   """
 
   dataset: tf.data.Dataset
@@ -66,7 +70,8 @@ class PrivateTraining(NamedTuple):
   epochs: int
   steps_per_epoch: int
   steps: int
-  sampling: sampling_lib.Sampling
+  sampling: mechanism.Sampling
+  plan: mechanism.DPPlan
 
 
 def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: float,
@@ -79,7 +84,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
   """The dataset, optimizer and callbacks of `epochs` epochs at `target_epsilon`, consistent.
 
   σ is the smallest whose ε after epochs × round(N/B) Poisson steps of rate q = B/N is at most
-  `target_epsilon` (`sampling.noise_multiplier_for`: the algorithm's own step event, e.g. with
+  `target_epsilon` (`mechanism.DPPlan.calibrated`: the algorithm's own step event, e.g. with
   adaptive clipping's norm query, under `accountant`), after what `model` already spent.
 
   Args:
@@ -126,50 +131,43 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
   n = data.num_examples(x if y is None else (x, y))
   if not 0 < expected_batch_size <= n:
     raise ValueError(f"expected_batch_size must be in (0, N = {n}], got {expected_batch_size!r}.")
-  sampling = sampling_lib.Sampling("poisson", n, float(expected_batch_size))
-  steps_per_epoch = sampling.steps_per_epoch
-  steps = epochs * steps_per_epoch
   cls = optimizers.make_dp_optimizer_class(base, algorithm)
-  rate = {} if learning_rate is None else {"learning_rate": learning_rate}
-
-  def optimizer_at(sigma: float):
-    return cls(l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
-               expected_batch_size=sampling.batch_size, **rate, **options)
-
-  _check_certified(optimizer_at(1.0), algorithm, nominal)
+  plan = mechanism.DPPlan(
+      mechanism.Sampling("poisson", n, float(expected_batch_size)), epochs,
+      l2_norm_clip=l2_norm_clip, algorithm=algorithm, accountant=accountant, delta=delta,
+      nominal=nominal).with_options(**{k: v for k, v in options.items()
+                                       if k in algorithms.options_of(cls.algorithm_cls)})
+  _check_certified(plan)
   variables = _variables(model)
   spent = _spent(model)
   try:
-    sigma = sampling_lib.noise_multiplier_for(target_epsilon, sampling, steps, delta,
-                                              optimizer_at, accountant, variables,
-                                              nominal=nominal, spent=spent)
+    plan = plan.calibrated(target_epsilon, variables, spent)
   except base_algorithm.UnknownSizeError as e:
     raise ValueError(f"algorithm={algorithm!r}: its privacy depends on the model's {e.name}: "
                      "pass the model to train, make_private(..., model=model).") from e
-  dp_optimizer = optimizer_at(sigma)
-  certified, nominal_epsilon = sampling_lib.epsilons(dp_optimizer, sampling, steps, delta,
-                                                     accountant, variables, spent)
-  dataset = data.poisson_dataset(x, y, sampling.sampling_probability, steps_per_epoch)
-  privacy_callbacks = [
-      callbacks_lib.PrivacyLogger(delta=delta, log_dir=log_dir, method=accountant,
-                                  sampling=dataset.sampling),
-      callbacks_lib.PrivacyBudget(target_epsilon, delta=delta, method=accountant,
-                                  nominal=nominal, sampling=dataset.sampling)]
-  return PrivateTraining(dataset, dp_optimizer, privacy_callbacks, sigma,
-                         nominal_epsilon if nominal else certified, epochs, steps_per_epoch,
-                         steps, dataset.sampling)
+  rate = {} if learning_rate is None else {"learning_rate": learning_rate}
+  dp_optimizer = cls(l2_norm_clip=l2_norm_clip, noise_multiplier=plan.noise_multiplier,
+                     expected_batch_size=plan.expected_batch_size, **rate, **options)
+  certified, nominal_epsilon = plan.epsilons(variables, spent)
+  dataset = data.poisson_dataset(x, y, plan.selection.sampling_probability, plan.steps_per_epoch)
+  plan = dataclasses.replace(plan, selection=dataset.sampling)  # What fit will recognise.
+  privacy_callbacks = [callbacks_lib.PrivacyLogger(plan=plan, log_dir=log_dir),
+                       callbacks_lib.PrivacyBudget(target_epsilon, plan=plan)]
+  return PrivateTraining(dataset, dp_optimizer, privacy_callbacks, plan.noise_multiplier,
+                         nominal_epsilon if nominal else certified, epochs, plan.steps_per_epoch,
+                         plan.steps, dataset.sampling, plan)
 
 
-def _check_certified(optimizer, algorithm: str, nominal: bool) -> None:
+def _check_certified(plan: mechanism.DPPlan) -> None:
   """Refuses, naming the certified mode, an algorithm whose ε as configured is no guarantee
   (`PrivacyBudget` would refuse it at fit), unless the nominal ε is asked for."""
-  if nominal or optimizer.privacy_guarantee == "certified":
+  if plan.nominal or plan.privacy_guarantee == "certified":
     return
-  mode = type(optimizer).algorithm_cls.certified_mode
+  algorithm, mode = plan.algorithm, plan.algorithm_cls.certified_mode
   fix = (f"Use its certified mode, make_private(..., algorithm={algorithm!r}, {mode})" if mode
          else "Use a certified algorithm (docs/optimizers.md)")
   raise ValueError(f"algorithm={algorithm!r} as configured has privacy_guarantee="
-                   f"{optimizer.privacy_guarantee!r}: its ε is no proven bound. {fix}, or pass "
+                   f"{plan.privacy_guarantee!r}: its ε is no proven bound. {fix}, or pass "
                    "nominal=True to calibrate and budget the paper's ε (no guarantee).")
 
 
@@ -185,18 +183,18 @@ def _variables(model: Optional[tf.keras.Model]) -> Optional[list]:
   return model.trainable_variables
 
 
-def _spent(model: Optional[tf.keras.Model]) -> Optional[sampling_lib.EventPair]:
+def _spent(model: Optional[tf.keras.Model]) -> Optional[mechanism.events.EventPair]:
   """The events of the model's earlier private training (its DP optimizer's ledger, restored
   with a `.keras` file), which the new optimizer continues once compiled; None if none ran."""
   previous = None if model is None else stack.unwrap(getattr(model, "optimizer", None))
   steps = getattr(previous, "dp_steps", None)
   if steps is None or not int(steps.numpy()):
     return None
-  return sampling_lib.ledger_events(previous, model.trainable_variables)
+  return ledger.ledger_events(previous, model.trainable_variables)
 
 
 def compute_dp_sgd_privacy(n: int, batch_size: float, noise_multiplier: float, epochs: float,
-                           delta: float, method: str = "rdp") -> float:
+                           delta: float, accountant: str = "rdp") -> float:
   """ε of DP-SGD on Poisson batches: q = batch_size / n for ⌈epochs·n / batch_size⌉ steps.
 
   TF Privacy's `compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy` (the same steps and, with
@@ -208,4 +206,4 @@ def compute_dp_sgd_privacy(n: int, batch_size: float, noise_multiplier: float, e
   if not epochs > 0:
     raise ValueError(f"epochs must be > 0, got {epochs!r}.")
   steps = int(math.ceil(epochs * n / batch_size))
-  return accounting.epsilon(noise_multiplier, batch_size / n, steps, delta, method)
+  return accounting.epsilon(noise_multiplier, batch_size / n, steps, delta, accountant)

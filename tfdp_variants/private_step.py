@@ -25,9 +25,9 @@ import tensorflow as tf
 from tfdp_variants import algorithms
 from tfdp_variants import per_example
 from tfdp_variants import replicas
-from tfdp_variants import sampling
 from tfdp_variants import stack
 from tfdp_variants import validation
+from tfdp_variants.mechanism.events import Events
 from tfdp_variants.per_example import loss_scale
 from tfdp_variants.per_example import self_check
 from tfdp_variants.per_example import trace
@@ -142,7 +142,7 @@ class PrivateStep:
 
   def events(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
              num_layers: Optional[int] = None, num_parameters: Optional[int] = None
-             ) -> sampling.Events:
+             ) -> Events:
     """One step's certified and nominal events, without sampling (`Events.poisson` adds it).
 
     Args:
@@ -152,9 +152,8 @@ class PrivateStep:
       replace_one: substitution adjacency (e.g. shuffled fixed-size batches).
       num_layers, num_parameters: for per-layer algorithms and the tanh filter before `build`.
     """
-    several = self.num_microbatches is not None and batch_size != self.num_microbatches
-    return self.algorithm.events(replace_one=replace_one or several, num_layers=num_layers,
-                                 num_parameters=num_parameters)
+    return self.algorithm.step_events(self.num_microbatches, batch_size, replace_one=replace_one,
+                                      num_layers=num_layers, num_parameters=num_parameters)
 
   def build(self, variables: list[tf.Variable], add_state: algorithms.AddState) -> tf.Variable:
     """The algorithm's state, then the step counter, made with `add_state` (once)."""

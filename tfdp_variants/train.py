@@ -7,12 +7,12 @@ r"""Train any algorithm on any model and dataset; report accuracy and ε with it
 
 Each epoch prints Keras' progress and the certified and nominal ε with the optimizer's guarantee
 label and the sampling; TensorBoard logs and a final `summary.json` go to --logdir. ε is accounted
-by RDP (or --accounting=pld). Batches are Poisson-sampled by default (--sampling=poisson: each
+by RDP (or --accountant=pld). Batches are Poisson-sampled by default (--sampling=poisson: each
 example in each step with probability q = batch_size / N, decided in secret, the update divided by
 the expected batch size): the subsampled-Gaussian ε is certified, for add/remove adjacency. With
 --sampling=shuffle (fixed-size shuffled batches), the certified ε has no amplification (one
 replace-one Gaussian mechanism per epoch) and the Poisson-assumed number is only nominal
-(`tfdp_variants.sampling`). DP noise and Poisson masks come from OS entropy, never from --seed.
+(`tfdp_variants.mechanism.selection`). DP noise and Poisson masks come from OS entropy, never from --seed.
 With --target_epsilon, σ is calibrated to the certified ε of the algorithm's own step under the
 chosen sampling (e.g. with the norm query of adaptive clipping), or to its nominal ε when it has no
 certified one (said so).
@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 from absl import app
 from absl import flags
+import dp_accounting
 import tensorflow as tf
 
 import tfdp_variants
@@ -56,9 +57,11 @@ from tfdp_variants import algorithms
 from tfdp_variants import audit
 from tfdp_variants import callbacks
 from tfdp_variants import data
+from tfdp_variants import mechanism
 from tfdp_variants import models
 from tfdp_variants import private
-from tfdp_variants import sampling as sampling_lib
+from tfdp_variants.mechanism import accountants
+from tfdp_variants.mechanism import selection
 
 # --learning_rate by --optimizer: SGD's is TF Privacy's MNIST tutorial's (0.25 at C = 1.5), tuned
 # here for the default model; the adaptive ones take Keras' defaults.
@@ -106,8 +109,10 @@ _MICRO = flags.DEFINE_integer("num_microbatches", None, "Microbatches per batch;
                               "example.")
 _TARGET = flags.DEFINE_float("target_epsilon", None, "Calibrate σ so training ends at this ε.")
 _DELTA = flags.DEFINE_float("delta", 1e-5, "δ of the (ε, δ) guarantee.")
-_ACCOUNTING = flags.DEFINE_enum("accounting", "rdp", ["rdp", "pld"], "Privacy accountant.")
-_SAMPLING = flags.DEFINE_enum("sampling", "poisson", list(sampling_lib.KINDS),
+_ACCOUNTANT = flags.DEFINE_enum("accountant", "rdp", sorted(accountants.ACCOUNTANTS),
+                                "Privacy accountant (--accounting: its former name).")
+flags.DEFINE_alias("accounting", "accountant")
+_SAMPLING = flags.DEFINE_enum("sampling", "poisson", list(selection.SELECTIONS),
                               "poisson: each example in each step with probability batch_size/N, "
                               "secret (certified with amplification; needs num_microbatches unset); "
                               "shuffle: fixed-size shuffled batches (certified without "
@@ -198,7 +203,7 @@ def is_chief(strategy: Optional[tf.distribute.Strategy]) -> bool:
 AUDIT_ALPHA = 1e-3  # --audit stops a correct optimizer's run with probability ≤ 0.1%.
 
 
-def audit_before_training(make_optimizer: Callable[[], object], sampling: sampling_lib.Sampling,
+def audit_before_training(make_optimizer: Callable[[], object], sampling: mechanism.Sampling,
                           strategy: Optional[tf.distribute.Strategy], strategy_kind: str,
                           num_microbatches: Optional[int], trials: int,
                           delta: float) -> dict:
@@ -216,7 +221,8 @@ def audit_before_training(make_optimizer: Callable[[], object], sampling: sampli
     examples = num_microbatches * max(1, int(sampling.batch_size) // num_microbatches)
   else:
     examples = replicas * -(-8 // replicas)
-  adjacency = "replace" if sampling.kind == "shuffle" else "remove"
+  replace = sampling.neighboring_relation is dp_accounting.NeighboringRelation.REPLACE_ONE
+  adjacency = "replace" if replace else "remove"
   neighbours = ("one example replaced by another, as shuffled batches do" if adjacency == "replace"
                 else "one example added or removed, as Poisson-sampled batches do")
   notes = []
@@ -260,7 +266,7 @@ def main(argv):
   tf.keras.utils.set_random_seed(_SEED.value)  # Initialisation and shuffling; not the DP noise.
   (x_train, y_train), (x_test, y_test) = data.load(_DATASET.value, _PREPROCESSING.value)
   n, batch = len(y_train), _BATCH.value
-  sampling = sampling_lib.Sampling(_SAMPLING.value, n, batch)
+  sampling = mechanism.Sampling(_SAMPLING.value, n, batch)
   q = sampling.sampling_probability
   drop = _MICRO.value is not None and n % batch != 0  # A partial batch could not be split.
   steps_per_epoch = n // batch if drop else sampling.steps_per_epoch
@@ -268,24 +274,30 @@ def main(argv):
   options = parse_options(_OPTIONS.value)
   if _ALGORITHM.value == "layered_clip" and not {"beta", "total_steps"} & set(options):
     options["total_steps"] = total_steps  # β = 1/T², the paper's choice.
+  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
+                                                        _ALGORITHM.value)
+  plan = mechanism.DPPlan(sampling, _EPOCHS.value, _SIGMA.value, _CLIP.value, _ALGORITHM.value,
+                          accountant=_ACCOUNTANT.value, delta=_DELTA.value,
+                          num_microbatches=_MICRO.value, epoch_steps=steps_per_epoch,
+                          ).with_options(**{k: v for k, v in options.items() if k in
+                                            algorithms.options_of(optimizer_cls.algorithm_cls)})
 
   _print_strategy(strategy, batch)
 
   name = model_name(_MODEL.value, x_train.shape[1:])
   num_classes = int(max(y_train.max(), y_test.max())) + 1
-  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
-                                                        _ALGORITHM.value)
   learning_rate = _LR.value if _LR.value is not None else DEFAULT_LEARNING_RATES[_OPTIMIZER.value]
 
   def optimizer_at(sigma: float):
     return optimizer_cls(l2_norm_clip=_CLIP.value, noise_multiplier=sigma,
                          num_microbatches=_MICRO.value, learning_rate=learning_rate,
-                         expected_batch_size=batch if poisson else None, **options)
+                         expected_batch_size=plan.expected_batch_size, **options)
 
   # Model, optimizer and compile inside the strategy's scope, so its variables are mirrored.
   with strategy.scope() if strategy is not None else contextlib.nullcontext():
     model = models.get(name, x_train.shape[1:], num_classes)
-    sigma = _noise_multiplier(optimizer_at, sampling, total_steps, model)
+    plan = _calibrated(plan, model)
+    sigma = plan.noise_multiplier
     optimizer = optimizer_at(sigma)
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(
@@ -294,7 +306,7 @@ def main(argv):
   config = {
       "privacy_guarantee": optimizer.privacy_guarantee, "delta": _DELTA.value,
       "sampling": sampling.kind, "adjacency": sampling.adjacency,
-      "noise_multiplier": sigma, "accounting": _ACCOUNTING.value, "sampling_probability": q,
+      "noise_multiplier": sigma, "accountant": plan.accountant, "sampling_probability": q,
       "algorithm": _ALGORITHM.value, "options": options, "optimizer": type(optimizer).__name__,
       "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
       "learning_rate": learning_rate, "l2_norm_clip": _CLIP.value,
@@ -302,7 +314,7 @@ def main(argv):
   }
   logdir = _LOGDIR.value or os.path.join(
       "runs", f"{type(optimizer).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}")
-  _print_plan(optimizer, sigma, learning_rate, sampling, steps_per_epoch, model)
+  _print_plan(optimizer, plan, learning_rate, model)
   chief = is_chief(strategy)
   if _AUDIT.value:
     config["audit"] = audit_before_training(
@@ -312,8 +324,7 @@ def main(argv):
   # Every worker logs (TensorBoard's callback and the privacy logger run on all of them); the
   # others write to a temporary directory, removed at the end.
   write_dir = logdir if chief else tempfile.mkdtemp(prefix="tfdp_variants_worker_")
-  logger = callbacks.PrivacyLogger(delta=_DELTA.value, log_dir=os.path.join(write_dir, "privacy"),
-                                   method=_ACCOUNTING.value, sampling=sampling)
+  logger = callbacks.PrivacyLogger(plan=plan, log_dir=os.path.join(write_dir, "privacy"))
   train, fit_steps = _training_data(strategy, sampling, x_train, y_train, steps_per_epoch, drop)
   try:
     history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=fit_steps, shuffle=False,
@@ -349,35 +360,33 @@ def poisson_per_replica(*args, **kwargs):
   return data.poisson_per_replica(*args, **kwargs)
 
 
-def _noise_multiplier(optimizer_at: Callable[[float], object], sampling: sampling_lib.Sampling,
-                      total_steps: int, model: tf.keras.Model) -> float:
-  """--noise_multiplier, or the σ that reaches --target_epsilon after `total_steps` (certified ε;
-  nominal for an algorithm without one)."""
+def _calibrated(plan: mechanism.DPPlan, model: tf.keras.Model) -> mechanism.DPPlan:
+  """The plan at --noise_multiplier, or at the σ that reaches --target_epsilon after its steps
+  (certified ε; nominal for an algorithm without one)."""
   if _TARGET.value is None:
-    return _SIGMA.value
-  nominal = optimizer_at(1.0).privacy_guarantee != "certified"
-  sigma = sampling_lib.noise_multiplier_for(_TARGET.value, sampling, total_steps, _DELTA.value,
-                                            optimizer_at, _ACCOUNTING.value,
-                                            model.trainable_variables, nominal=nominal)
+    return plan
+  nominal = plan.privacy_guarantee != "certified"
+  plan = dataclasses.replace(plan, nominal=nominal).calibrated(_TARGET.value,
+                                                               model.trainable_variables)
   kind = "nominal (this algorithm has no certified ε)" if nominal else "certified"
-  print(f"Calibrated noise_multiplier σ = {sigma:.4f} for {kind} ε = {_TARGET.value} after "
-        f"{total_steps} steps ({sampling.describe()}, q = {sampling.sampling_probability:.4f}, "
-        f"δ = {_DELTA.value}).", flush=True)
-  return sigma
+  print(f"Calibrated noise_multiplier σ = {plan.noise_multiplier:.4f} for {kind} ε = "
+        f"{_TARGET.value} after {plan.steps} steps ({plan.selection.describe()}, q = "
+        f"{plan.selection.sampling_probability:.4f}, δ = {plan.delta}).", flush=True)
+  return plan
 
 
-def _print_plan(optimizer, sigma: float, learning_rate: float, sampling: sampling_lib.Sampling,
-                steps_per_epoch: int, model: tf.keras.Model) -> None:
+def _print_plan(optimizer, plan: mechanism.DPPlan, learning_rate: float,
+                model: tf.keras.Model) -> None:
   """Before training: the optimizer, C, σ, the sampling, the steps and the ε they will reach."""
-  steps = steps_per_epoch * _EPOCHS.value
-  certified, nominal = sampling_lib.epsilons(optimizer, sampling, steps, _DELTA.value,
-                                             _ACCOUNTING.value, model.trainable_variables)
+  certified, nominal = plan.epsilons(model.trainable_variables)
   at_end = ("no certified ε" if certified is None else f"certified ε = {certified:.3f}")
   print(f"Training {type(optimizer).__name__} ({optimizer.privacy_guarantee}), learning rate "
-        f"{learning_rate:g}, C = {_CLIP.value:g}, σ = {sigma:.4g}, {sampling.describe()}, q = "
-        f"{sampling.sampling_probability:.4g}, {steps_per_epoch} steps an epoch × {_EPOCHS.value} "
-        f"epoch{'s' * (_EPOCHS.value != 1)} = {steps} steps: at the end {at_end}, nominal ε = {nominal:.3f} "
-        f"({_ACCOUNTING.value.upper()}, δ = {_DELTA.value:g}).", flush=True)
+        f"{learning_rate:g}, C = {plan.l2_norm_clip:g}, σ = {plan.noise_multiplier:.4g}, "
+        f"{plan.selection.describe()}, q = {plan.selection.sampling_probability:.4g}, "
+        f"{plan.steps_per_epoch} steps an epoch × {plan.epochs} "
+        f"epoch{'s' * (plan.epochs != 1)} = {plan.steps} steps: at the end {at_end}, nominal ε = "
+        f"{nominal:.3f} ({accountants.get(plan.accountant).label}, δ = {plan.delta:g}).",
+        flush=True)
 
 
 def _check_microbatch_flags(poisson: bool, replicas: int) -> None:
@@ -423,7 +432,7 @@ def _stop_on_violation(config: dict, logdir: str, chief: bool) -> None:
            f"not train with this configuration until it is fixed.")
 
 
-def _training_data(strategy, sampling: sampling_lib.Sampling, x, y, steps_per_epoch: int,
+def _training_data(strategy, sampling: mechanism.Sampling, x, y, steps_per_epoch: int,
                    drop: bool) -> tuple:
   """(the dataset fit trains on, its steps_per_epoch or None): Poisson batches (per replica under
   a strategy: an endless dataset), or shuffled batches, which a strategy splits among its replicas
@@ -433,8 +442,8 @@ def _training_data(strategy, sampling: sampling_lib.Sampling, x, y, steps_per_ep
     return data.poisson_per_replica(strategy, x, y, q, steps_per_epoch), steps_per_epoch
   if sampling.kind == "poisson":
     return data.poisson_dataset(x, y, q, steps_per_epoch), None
-  return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(y), seed=_SEED.value).batch(
-      int(sampling.batch_size), drop_remainder=drop), None
+  shuffled = dataclasses.replace(sampling, drop_remainder=drop)
+  return shuffled.dataset(x, y, seed=_SEED.value), None
 
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")

@@ -2,7 +2,7 @@
 
 Each takes and returns plain lists of tensors (one per trainable variable) or a
 `PerExampleGradients`, in the spirit of Optax's gradient transformations. Noise is added by the
-queries of `tfdp_variants.noise`, which also give its DpEvent.
+queries of `tfdp_variants.mechanism.noise`, which also give its DpEvent.
 """
 
 from __future__ import annotations

@@ -60,10 +60,10 @@ import numpy as np
 import tensorflow as tf
 
 import tfdp_variants
-from tfdp_variants import accounting
 from tfdp_variants import callbacks
 from tfdp_variants import data
 from tfdp_variants import sampling
+from tfdp_variants.mechanism import accounting
 
 HERE = pathlib.Path(__file__).resolve()
 _LEVELS = 17  # Pixel intensities as tokens: 0..16.

@@ -186,7 +186,7 @@ def main(argv):
              "parameters": int(models.get(FLAGS.model, x.shape[1:], 10).count_params()),
              "optimizer": FLAGS.optimizer, "learning_rate": FLAGS.learning_rate,
              "batch_size": FLAGS.batch_size, "epochs": FLAGS.epochs, "delta": FLAGS.delta,
-             "sampling": "shuffle", "adjacency": sampling.ADJACENCY["shuffle"],
+             "sampling": "shuffle", "adjacency": sampling.SELECTIONS["shuffle"].adjacency,
              "non_private": {k: v[-1] for k, v in baseline.items()}, "configs": {}}
   print("\nShuffled batches (the twin's): CA's certified ε has no amplification; nominal ε is "
         "Poisson-assumed.")

@@ -39,8 +39,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from tfdp_variants import accounting
 from tfdp_variants import sampling
+from tfdp_variants.mechanism import accounting
 
 _OUT = flags.DEFINE_string("out_dir", "tutorials/out/pigdo2022", "Where plots and results.json go.")
 _Q = flags.DEFINE_float("q", 0.01, "Poisson sampling probability (expected lot / N).")
@@ -135,7 +135,7 @@ def main(argv):
                             next(x for x in rows if x["epochs"] == hi))]]
   summary = {
       "setting": {"q": q, "sigma": sigma, "delta": delta, "sampling": "poisson",
-                  "adjacency": sampling.ADJACENCY["poisson"]},
+                  "adjacency": sampling.SELECTIONS["poisson"].adjacency},
       "remark4_T40000": {"paper": {"ma": 10.2, "mma": 6.8},
                          **{k: remark[k] for k in ("ma", "mma", "rdp", "pld", "failed_conditions")}},
       "mma_below_pld_steps": below,

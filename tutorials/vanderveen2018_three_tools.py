@@ -202,7 +202,7 @@ def main(_):
   (x, y), test = data.load("digits" if s else FLAGS.dataset)
   epochs, n, base_batch = (1, len(x), 256) if s else (FLAGS.epochs, len(x), 256)
   results = {"epsilon": FLAGS.epsilon, "delta": FLAGS.delta, "sampling": "poisson",
-             "adjacency": sampling.ADJACENCY["poisson"], "epochs": epochs, "num_train": n}
+             "adjacency": sampling.SELECTIONS["poisson"].adjacency, "epochs": epochs, "num_train": n}
   results["sanity"] = sanity_checks(x, s, out)
   results["noise_table"] = noise_table(n, epochs, out)
 

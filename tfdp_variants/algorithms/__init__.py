@@ -5,8 +5,10 @@ Importing a module registers its algorithms by name for `make_dp_optimizer_class
 
 from tfdp_variants.algorithms.adaptive_clip import AdaptiveClip
 from tfdp_variants.algorithms.base import Algorithm
-from tfdp_variants.algorithms.base import REGISTRY
+from tfdp_variants.algorithms.base import named
+from tfdp_variants.algorithms.base import options_of
 from tfdp_variants.algorithms.base import register
+from tfdp_variants.algorithms.base import REGISTRY
 from tfdp_variants.algorithms.dp_sgd import DPSGD
 from tfdp_variants.algorithms.layered_clip import LayeredClip
 from tfdp_variants.algorithms.noisy_gradient import NoisyGradient

@@ -19,12 +19,12 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from tfdp_variants import accounting
-from tfdp_variants import noise
 from tfdp_variants import per_example
 from tfdp_variants import replicas
 from tfdp_variants import transforms
 from tfdp_variants.algorithms import base
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import noise
 from tfdp_variants.per_example import PerExampleGradients
 
 # Floor of an adaptive bound: the noised mean can be ≤ 0 on a small batch; a bound must stay > 0.

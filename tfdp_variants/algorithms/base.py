@@ -5,7 +5,7 @@ optimizer applies, composing the small steps of `tfdp_variants.transforms`. Its 
 its `noise.GaussianSumQuery`s, built once from its secret `noise.NoiseSource`; the same queries say
 what a step costs in privacy, asked once (`events`): the mechanism one step certifiably is (None
 when the algorithm has no proven guarantee, or its noise was made reproducible) and the one its
-paper accounts; `sampling.Events.poisson` puts both on a Poisson sample (its amplification).
+paper accounts; `events.Events.poisson` puts both on a Poisson sample (its amplification).
 
 Sensitivity: with one example per microbatch, adding or removing it adds or removes one
 record. With several, it changes one microbatch's record, which may then differ by the record's
@@ -14,16 +14,17 @@ whole range (2C for a clipped mean): `replace_one=True`, which also serves subst
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, ClassVar, Optional, Sequence
 
 import dp_accounting
 import tensorflow as tf
 
-from tfdp_variants import accounting
-from tfdp_variants import noise
 from tfdp_variants import replicas
-from tfdp_variants import sampling
 from tfdp_variants import validation
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import noise
+from tfdp_variants.mechanism.events import Events
 from tfdp_variants.per_example import PerExampleGradients
 
 # add_state(name, initial_value) -> tf.Variable: a variable saved with the optimizer.
@@ -38,6 +39,24 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
     raise ValueError(f"An algorithm named {cls.name!r} is already registered.")
   REGISTRY[cls.name] = cls
   return cls
+
+
+def options_of(algorithm_cls: type["Algorithm"]) -> tuple[str, ...]:
+  """The names of the algorithm's options: its `__init__`'s arguments beyond C and σ."""
+  params = inspect.signature(algorithm_cls.__init__).parameters.values()
+  return tuple(p.name for p in params if p.kind is not p.VAR_KEYWORD
+               and p.name not in ("self", "l2_norm_clip", "noise_multiplier"))
+
+
+def named(name: str, options=()) -> type["Algorithm"]:
+  """The algorithm registered as `name`, checked to take `options` (names)."""
+  if name not in REGISTRY:
+    raise ValueError(f"Unknown algorithm {name!r}; choose one of {sorted(REGISTRY)}.")
+  unknown = set(options) - set(options_of(REGISTRY[name]))
+  if unknown:
+    raise TypeError(f"Algorithm {name!r} has no options {sorted(unknown)}; its options are "
+                    f"{list(options_of(REGISTRY[name]))}.")
+  return REGISTRY[name]
 
 
 class UnknownSizeError(ValueError):
@@ -161,8 +180,8 @@ class Algorithm:
     return event if event is not None else self.gradient_query.event(replace_one=replace_one)
 
   def events(self, *, replace_one: bool = False, num_layers: Optional[int] = None,
-             num_parameters: Optional[int] = None) -> sampling.Events:
-    """One step's certified and nominal mechanisms, without sampling (`sampling.Events`).
+             num_parameters: Optional[int] = None) -> Events:
+    """One step's certified and nominal mechanisms, without sampling (`events.Events`).
 
     Args:
       replace_one: one record's contribution may be replaced rather than added or removed (a
@@ -176,4 +195,14 @@ class Algorithm:
     """
     certified = (None if self.noise.reproducible
                  else self._certified_event(replace_one, num_layers, num_parameters))
-    return sampling.Events(certified, self._nominal_event(replace_one, num_layers, num_parameters))
+    return Events(certified, self._nominal_event(replace_one, num_layers, num_parameters))
+
+  def step_events(self, num_microbatches: Optional[int], batch_size: Optional[float] = None, *,
+                  replace_one: bool = False, num_layers: Optional[int] = None,
+                  num_parameters: Optional[int] = None) -> Events:
+    """`events` of a step of `num_microbatches` microbatches (None: one example each) on a batch
+    of `batch_size` (if fixed and known): microbatches of several examples are records that may
+    change entirely when one example is added or removed, so they count as replace-one."""
+    several = num_microbatches is not None and batch_size != num_microbatches
+    return self.events(replace_one=replace_one or several, num_layers=num_layers,
+                       num_parameters=num_parameters)

@@ -25,10 +25,10 @@ from typing import Optional
 import dp_accounting
 import tensorflow as tf
 
-from tfdp_variants import noise
 from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.algorithms import base
+from tfdp_variants.mechanism import noise
 from tfdp_variants.per_example import PerExampleGradients
 
 ORDERS = ("noise_then_clip", "clip_then_noise")

@@ -23,12 +23,12 @@ from typing import Optional
 import dp_accounting
 import tensorflow as tf
 
-from tfdp_variants import accounting
-from tfdp_variants import noise
 from tfdp_variants import replicas
 from tfdp_variants import transforms
 from tfdp_variants.algorithms import adaptive_clip
 from tfdp_variants.algorithms import base
+from tfdp_variants.mechanism import accounting
+from tfdp_variants.mechanism import noise
 from tfdp_variants.per_example import PerExampleGradients
 
 METHODS = ("direct", "geometric")

@@ -55,13 +55,13 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
-from tfdp_variants import accounting
 from tfdp_variants.audit.canaries import ADJACENCIES, PATHS, black_box_experiment
 from tfdp_variants.audit.canaries import black_box_scores, canary_scores, experiment
-from tfdp_variants.audit.statistics import ThresholdBounds, auroc, check_delta_alpha
 from tfdp_variants.audit.statistics import clopper_pearson, gaussian_mu, gdp_delta, gdp_epsilon
 from tfdp_variants.audit.statistics import one_run_epsilon, one_run_p_value, threshold_bounds
+from tfdp_variants.audit.statistics import ThresholdBounds, auroc, check_delta_alpha
 from tfdp_variants.audit.statistics import tpr_at_fpr
+from tfdp_variants.mechanism import accounting
 
 __all__ = ["ADJACENCIES", "PATHS", "AuditResult", "OneRunResult", "ThresholdBounds", "audit",
            "auroc", "black_box_scores", "canary_scores", "clopper_pearson", "gaussian_mu",

@@ -5,7 +5,7 @@ in the mean gradient: the noise per example σ/B falls steeply with B (the paper
 keep the update size, scale the learning rate linearly with B (Goyal et al. 2017).
 
 Example:
-  >>> from tfdp_variants import large_batch
+  >>> from tfdp_variants.mechanism import large_batch
   >>> round(large_batch.calibrate_noise_multiplier(2.0, 60000, 256, 10, 1e-5), 2)
   0.86
   >>> large_batch.scale_learning_rate(0.01, 128, 1024)
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Sequence
 
-from tfdp_variants import accounting
+from tfdp_variants.mechanism import accounting
 
 
 def calibrate_noise_multiplier(target_epsilon: float, dataset_size: int, batch_size: int,

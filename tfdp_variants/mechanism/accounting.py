@@ -5,15 +5,9 @@ accountant replays events to answer ε at a given δ. Nothing is kept in global
 state: a `PrivacyLedger` records the events of a run and is saved with the
 model's `tf.train.Checkpoint`.
 
-Methods (the `method` argument):
+Accountants (the `accountant` argument): ``"rdp"`` and ``"pld"``, dp_accounting's
+(`accountants.ACCOUNTANTS`, where TF Privacy's RDP orders and the PLD discretization are), and:
 
-- ``"rdp"``: `dp_accounting.rdp.RdpAccountant` with the RDP orders TF Privacy's
-  `compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy` uses (`RDP_ORDERS`), so
-  the numbers equal TF Privacy's.
-- ``"pld"``: `dp_accounting.pld.PLDAccountant` with
-  `PLD_VALUE_DISCRETIZATION_INTERVAL` (1e-4, the library default): the tightest
-  bound available, pessimistic only by the discretization (ε within about
-  1e-4 of a 10x finer grid for MNIST-scale DP-SGD).
 - ``"mma"`` and ``"ma"``: closed forms for DP-SGD steps of one σ and q, as the
   PIGDO paper (2022) states them: its modified moments accountant (Theorem 3,
   `mma_epsilon`) and the moments-accountant form it compares with,
@@ -24,11 +18,11 @@ Methods (the `method` argument):
 
 Example:
 
->>> from tfdp_variants import accounting
+>>> from tfdp_variants.mechanism import accounting
 >>> q, steps, delta = 256 / 60000, 14063, 1e-5  # 60 epochs of MNIST
 >>> round(accounting.epsilon(1.1, q, steps, delta), 2)
 2.6
->>> round(accounting.epsilon(1.1, q, steps, delta, method="pld"), 2)
+>>> round(accounting.epsilon(1.1, q, steps, delta, accountant="pld"), 2)
 2.38
 >>> round(accounting.noise_multiplier_for(2.6, q, steps, delta), 2)
 1.1
@@ -48,53 +42,14 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import attr
 import dp_accounting
-from dp_accounting.rdp import rdp_privacy_accountant
 import tensorflow as tf
 
-# The orders of TF Privacy's compute_dp_sgd_privacy / compute_noise.
-RDP_ORDERS: Tuple[float, ...] = tuple(
-    [1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5]
-    + list(range(5, 64))
-    + [128, 256, 512]
-)
-
-# dp_accounting's default. Smaller is tighter and slower: one subsampled
-# Gaussian event costs about 0.1 s at 1e-3, 1 s at 1e-4 and 10 s at 1e-5.
-PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
+from tfdp_variants.mechanism import accountants
+from tfdp_variants.mechanism.accountants import PLD_VALUE_DISCRETIZATION_INTERVAL  # pylint: disable=unused-import
+from tfdp_variants.mechanism.accountants import RDP_ORDERS  # pylint: disable=unused-import
 
 # Absolute tolerance on σ of `noise_multiplier_for`.
 _CALIBRATION_TOL = 1e-4
-
-
-class _PLDAccountant(dp_accounting.pld.PLDAccountant):
-  """`PLDAccountant` that also accepts several Gaussians on one Poisson sample.
-
-  dp_accounting's PLD accountant takes only a single Gaussian or Laplace event
-  inside `PoissonSampledDpEvent`. Gaussian queries of sensitivity 1 on the
-  same sample are exactly one Gaussian query with σ = (Σ σ_i⁻²)^(-1/2)
-  (Mironov et al. 2019, arXiv:1812.06210 §3); `RdpAccountant` applies the same
-  reduction, through the same function, so both methods see the same mechanism.
-  """
-
-  def _maybe_compose(self, event: dp_accounting.DpEvent, count: int,
-                     do_compose: bool):
-    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
-        event.event,
-        (dp_accounting.ComposedDpEvent, dp_accounting.SelfComposedDpEvent)):
-      sigma = rdp_privacy_accountant._effective_gaussian_noise_multiplier(  # pylint: disable=protected-access
-          event.event)
-      if not isinstance(sigma, dp_accounting.DpEvent):
-        event = dp_accounting.PoissonSampledDpEvent(
-            event.sampling_probability, dp_accounting.GaussianDpEvent(sigma))
-    return super()._maybe_compose(event, count, do_compose)
-
-
-# Method name -> factory of a fresh accountant.
-_ACCOUNTANTS: Dict[str, Callable[[], dp_accounting.PrivacyAccountant]] = {
-    "rdp": lambda: dp_accounting.rdp.RdpAccountant(RDP_ORDERS),
-    "pld": lambda: _PLDAccountant(
-        value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL),
-}
 
 
 class _ClosedForm(NamedTuple):
@@ -116,19 +71,19 @@ _CLOSED_FORMS: Dict[str, _ClosedForm] = {
 
 
 def _accountant_factory(
-    method: str) -> Callable[[], dp_accounting.PrivacyAccountant]:
-  if method in _ACCOUNTANTS:
-    return _ACCOUNTANTS[method]
-  if method in _CLOSED_FORMS:
+    accountant: str) -> Callable[[], dp_accounting.PrivacyAccountant]:
+  if accountant in accountants.ACCOUNTANTS:
+    return accountants.get(accountant)
+  if accountant in _CLOSED_FORMS:
     raise ValueError(
-        f"Method {method!r} is a closed form for DP-SGD steps of one noise "
+        f"{accountant!r} is a closed form for DP-SGD steps of one noise "
         "multiplier and sampling probability, not an accountant of events: "
-        "use accounting.epsilon(...), or an accountant method: "
-        f"{', '.join(repr(name) for name in sorted(_ACCOUNTANTS))}.")
+        "use accounting.epsilon(...), or an accountant of events: "
+        f"{', '.join(repr(name) for name in sorted(accountants.ACCOUNTANTS))}.")
   valid = ", ".join(
-      repr(name) for name in sorted({**_ACCOUNTANTS, **_CLOSED_FORMS}))
+      repr(name) for name in sorted({**accountants.ACCOUNTANTS, **_CLOSED_FORMS}))
   raise ValueError(
-      f"Unknown accounting method {method!r}; valid methods: {valid}.")
+      f"Unknown accountant {accountant!r}; valid accountants: {valid}.")
 
 
 def _check_delta(delta: float) -> None:
@@ -214,14 +169,14 @@ def scaled_sensitivity(event: dp_accounting.DpEvent, factor: float) -> dp_accoun
 
 def epsilon_of_event(event: dp_accounting.DpEvent,
                      delta: float,
-                     method: str = "rdp") -> float:
+                     accountant: str = "rdp") -> float:
   """ε at `delta` of any event the chosen accountant can compose.
 
   Raises:
-    ValueError: for an unknown method or delta outside (0, 1).
+    ValueError: for an unknown accountant or delta outside (0, 1).
     dp_accounting.UnsupportedEventError: the accountant cannot handle `event`.
   """
-  make_accountant = _accountant_factory(method)
+  make_accountant = _accountant_factory(accountant)
   _check_delta(delta)
   return float(make_accountant().compose(event).get_epsilon(delta))
 
@@ -230,25 +185,25 @@ def epsilon(noise_multiplier: float,
             sampling_probability: float,
             steps: int,
             delta: float,
-            method: str = "rdp") -> float:
+            accountant: str = "rdp") -> float:
   """ε of `steps` DP-SGD steps (`step_event`) at `delta`; inf when σ == 0."""
   event = step_event(noise_multiplier, sampling_probability)
   _check_steps(steps, minimum=0)
-  if method in _CLOSED_FORMS:
+  if accountant in _CLOSED_FORMS:
     _check_delta(delta)
-    return _CLOSED_FORMS[method].epsilon(noise_multiplier, sampling_probability,
+    return _CLOSED_FORMS[accountant].epsilon(noise_multiplier, sampling_probability,
                                          int(steps), delta) if steps else 0.0
   if steps == 0:  # dp_accounting rejects a count of 0.
-    return epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, method)
+    return epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, accountant)
   return epsilon_of_event(
-      dp_accounting.SelfComposedDpEvent(event, int(steps)), delta, method)
+      dp_accounting.SelfComposedDpEvent(event, int(steps)), delta, accountant)
 
 
 def noise_multiplier_for(target_epsilon: float,
                          sampling_probability: float,
                          steps: int,
                          delta: float,
-                         method: str = "rdp",
+                         accountant: str = "rdp",
                          step_event_for: Optional[Callable[[float], dp_accounting.DpEvent]]
                          = None) -> float:
   """The smallest σ (within 1e-4) whose `epsilon` is at most `target_epsilon`.
@@ -266,11 +221,11 @@ def noise_multiplier_for(target_epsilon: float,
   _check_sampling_probability(sampling_probability)
   _check_steps(steps, minimum=1)
   _check_delta(delta)
-  if method in _CLOSED_FORMS:
+  if accountant in _CLOSED_FORMS:
     if step_event_for is not None:
-      raise ValueError(f"method={method!r} is DP-SGD's closed form; it cannot "
+      raise ValueError(f"accountant={accountant!r} is DP-SGD's closed form; it cannot "
                        "account another step event: use 'rdp' or 'pld'.")
-    return _CLOSED_FORMS[method].noise_multiplier(
+    return _CLOSED_FORMS[accountant].noise_multiplier(
         target_epsilon, sampling_probability, int(steps), delta)
   if step_event_for is None:
     step_event_for = lambda sigma: step_event(sigma, sampling_probability)
@@ -283,7 +238,7 @@ def noise_multiplier_for(target_epsilon: float,
   try:
     return float(
         dp_accounting.calibrate_dp_mechanism(
-            _accountant_factory(method),
+            _accountant_factory(accountant),
             make_event,
             target_epsilon,
             delta,
@@ -459,8 +414,8 @@ def compare_accountants(noise_multiplier: float, sampling_probability: float,
   it is always shown beside the proven RDP and PLD numbers, and
   `mma_below_pld` flags when it claims less than PLD.
   """
-  def eps(method: str) -> float:
-    return epsilon(noise_multiplier, sampling_probability, steps, delta, method)
+  def eps(accountant: str) -> float:
+    return epsilon(noise_multiplier, sampling_probability, steps, delta, accountant)
 
   _check_steps(steps, minimum=1)
   return AccountantComparison(
@@ -566,9 +521,9 @@ class PrivacyLedger(tf.train.experimental.PythonState):
         for event, count in self._entries
     ])
 
-  def epsilon(self, delta: float, method: str = "rdp") -> float:
+  def epsilon(self, delta: float, accountant: str = "rdp") -> float:
     """ε of the recorded run at `delta`."""
-    return epsilon_of_event(self.dp_event(), delta, method)
+    return epsilon_of_event(self.dp_event(), delta, accountant)
 
   def to_json(self) -> str:
     return json.dumps({
