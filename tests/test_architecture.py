@@ -288,7 +288,9 @@ def test_a_plain_model_is_left_as_keras_made_it():
   neither it nor its layers get an attribute of the package; a DP model recompiled so is
   unbound."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdp_variants  # pylint: disable=g-import-not-at-top
+  from tfdp_variants import losses  # pylint: disable=g-import-not-at-top
   from tfdp_variants.stack import binding  # pylint: disable=g-import-not-at-top
   keras = tfdp_variants.stack.keras
 
@@ -312,5 +314,7 @@ def test_a_plain_model_is_left_as_keras_made_it():
   private.fit(x, y, batch_size=8, verbose=0)
   assert isinstance(private, binding.DPModel) and type(private).__name__ == "Sequential"
   assert ours(private)  # The LSTM's loop.
+  # Its loss swapped TF's sparse cross entropy in only while it ran.
+  assert tf.nn.sparse_softmax_cross_entropy_with_logits is losses._TF_OP  # pylint: disable=protected-access
   private.compile(optimizer=keras.optimizers.SGD(), loss=loss)
   assert type(private) is keras.Sequential and not ours(private)
