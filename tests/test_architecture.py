@@ -243,3 +243,78 @@ def test_state_between_stages_lives_in_the_cache_module():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if held.search(line)]
   assert not outside, outside
+
+
+# What `import tfdp_variants` changes in Keras and TF, counted in a fresh process: the owners whose
+# attributes a package could replace (modules, the model and layer classes along their MRO).
+_REPLACED = r"""
+import importlib, os
+import tensorflow as tf
+keras = importlib.import_module("tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") else "keras")
+tf.keras.layers  # TF replaces its lazy `tf.keras` on first use.
+L = keras.layers
+classes = [keras.Sequential, keras.Model, tf.GradientTape, L.BatchNormalization, L.Dense,
+           L.LSTM, L.GRU, L.SimpleRNN, L.RNN, L.ConvLSTM1D, L.ConvLSTM2D, L.ConvLSTM3D,
+           L.LSTMCell, L.Embedding]
+owners = {id(k): k for c in classes for k in c.__mro__ if k is not object}
+modules = [keras, keras.layers, keras.losses, keras.optimizers, tf, tf.nn, tf.compat.v2.nn]
+if hasattr(keras, "ops"):  # Keras 3.
+  modules.append(importlib.import_module("keras.src.backend.tensorflow.trainer"))
+owners.update({id(m): m for m in modules})
+before = {key: dict(vars(owner)) for key, owner in owners.items()}
+import tfdp_variants
+changed = sorted(f"{getattr(owners[key], '__name__', key)}.{name}"
+                 for key, attrs in before.items()
+                 for name in set(attrs) | set(vars(owners[key]))
+                 if attrs.get(name, before) is not vars(owners[key]).get(name, before))
+print(changed)
+"""
+
+
+@pytest.mark.stack
+def test_importing_the_package_replaces_one_attribute_of_keras_and_tf():
+  """Keras' `compile` alone (issue 48): the rest is bound to a DP model when compiled."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, "-c", _REPLACED], capture_output=True, text=True,
+                        check=True, cwd=ROOT.parent)
+  changed = eval(proc.stdout.strip().splitlines()[-1])  # pylint: disable=eval-used
+  assert len(changed) <= 1 and all(name.endswith(".compile") for name in changed), changed
+
+
+@pytest.mark.stack
+def test_a_plain_model_is_left_as_keras_made_it():
+  """A model compiled with a Keras optimizer and fit after the import keeps its class, and
+  neither it nor its layers get an attribute of the package; a DP model recompiled so is
+  unbound."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdp_variants  # pylint: disable=g-import-not-at-top
+  from tfdp_variants import losses  # pylint: disable=g-import-not-at-top
+  from tfdp_variants.stack import binding  # pylint: disable=g-import-not-at-top
+  keras = tfdp_variants.stack.keras
+
+  def model():
+    return keras.Sequential([keras.Input((4, 3)), keras.layers.LSTM(2), keras.layers.Dense(2)])
+
+  def ours(m):
+    return [(type(owner).__name__, name) for owner in (m, *m.layers)
+            for name, value in vars(owner).items()
+            if getattr(getattr(value, "__func__", value), "__module__", "").startswith(
+                "tfdp_variants")]
+
+  x, y = np.ones((8, 4, 3), "float32"), np.zeros((8,), "int64")
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+  plain = model()
+  plain.compile(optimizer=keras.optimizers.SGD(), loss=loss)
+  plain.fit(x, y, batch_size=8, verbose=0)
+  assert type(plain) is keras.Sequential and not ours(plain)
+  private = model()
+  private.compile(optimizer=tfdp_variants.DPSGD(1.0, 0.0), loss=loss)
+  private.fit(x, y, batch_size=8, verbose=0)
+  assert isinstance(private, binding.DPModel) and type(private).__name__ == "Sequential"
+  assert ours(private)  # The LSTM's loop.
+  # Its loss swapped TF's sparse cross entropy in only while it ran.
+  assert tf.nn.sparse_softmax_cross_entropy_with_logits is losses._TF_OP  # pylint: disable=protected-access
+  private.compile(optimizer=keras.optimizers.SGD(), loss=loss)
+  assert type(private) is keras.Sequential and not ours(private)

@@ -1,9 +1,9 @@
 """The state one step's stages leave for later ones, per graph or per model, in one place.
 
-Each is a weak-keyed dictionary or set: an entry lives as long as the graph (or model, layer) it
-is of, and nothing here is tracked, saved or shared between graphs; one process-wide count. A module that keeps such state keeps it
-here, named after what it holds, so that what flows between modules outside their arguments is
-listed in one file (BUILD_NOTES, "Architecture").
+Each is a weak-keyed dictionary or set (`LOOP_BINDERS`: one function): an entry lives as long as
+the graph (or model, class) it is of, and nothing here is tracked, saved or shared between
+graphs. A module that keeps such state keeps it here, named after what it holds, so that what
+flows between modules outside their arguments is listed in one file (BUILD_NOTES, "Architecture").
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ LOSSES_LEFT: weakref.WeakSet = weakref.WeakSet()
 # graph -> {id(loss / R): (weak reference to loss / R, loss)}: the losses Keras 3 reports divided
 # by the replicas R (`stack.keras3.reported_loss`), for `remember_loss` to undo.
 REPLICA_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> {id(gradient): (weak reference to it, weak reference to its tape.gradient target)}
-# (`stack.keras3`'s wrapper of `tf.GradientTape.gradient`, checked by `remembered_loss`).
-TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> {input structure (shapes, dtypes): the rules its synthetic-batch self-check passed with}
 # (`preflight`).
 PREFLIGHT_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The layers whose looped RNN cells run `per_example.recurrence`'s loops (`recurrence.enable`).
-RECURRENT_LOOPS: weakref.WeakSet = weakref.WeakSet()
+# What `recurrence.enable` calls on each layer it reaches: `stack.recurrent.bind`, which makes a
+# looped RNN layer run `recurrence`'s loops (put here by `stack.install`: `per_example` imports no
+# `stack`).
+LOOP_BINDERS: list = []
+# A model's class -> the class `stack.binding.bind` gives it when compiled with a DP optimizer.
+DP_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graph -> {TensorList flow name: element dtype}: the lists a `recurrence` loop reads every row of.
 LISTS_READ_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -42,13 +43,3 @@ RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # dictionary of a few entries.
 REFERENCE_STRUCTURES: dict = {}
 
-
-class Count:
-  """A count that only grows (read `value`)."""
-
-  def __init__(self):
-    self.value = 0
-
-
-# Training-mode calls of layers that mix examples, run eagerly, so far (`stack.eager_mixing`).
-EAGER_MIXING_CALLS = Count()

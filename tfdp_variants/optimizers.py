@@ -163,9 +163,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
   def scale_loss(self, loss):
     """Keras 3 API, called by `train_step` inside its tape: keeps the per-example loss, from
     which `apply` computes this step's private gradients (`stack.keras3`)."""
-    scaled = super().scale_loss(loss)
-    stack.remember_loss(self, loss, scaled)
-    return scaled
+    return stack.remember_loss(self, loss, super().scale_loss(loss))
 
   def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
     """Privatized gradients (legacy Keras optimizer API)."""

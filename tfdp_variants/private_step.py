@@ -137,7 +137,6 @@ class PrivateStep:
     self.rules: Optional[tuple[str, ...]] = None
     self._released: dict[int, Released] = {}  # By thread: a replica's (MirroredStrategy).
     self.self_check_flags: list[tf.Variable] = []  # One per trace that checks (`self_check`).
-    self._mixing_calls = stack.eager_mixing_calls()
     self.release_hook: Optional[Callable[[list[tf.Tensor]], None]] = None
 
   def events(self, batch_size: Optional[int] = None, *, replace_one: bool = False,
@@ -175,8 +174,9 @@ class PrivateStep:
 
   def inputs(self, loss, var_list, tape) -> tuple:
     """The loss, variables, tape and (eagerly) loss function of a step, callables called;
-    refuses a step without trainable variables, an eager step without its tape, after an eager
-    mixing layer, or under an unsupported strategy."""
+    refuses a step without trainable variables, an eager step without its tape, or under an
+    unsupported strategy. (An eager step is analysed on a trace, of its loss function or of a
+    synthetic batch, or refused: `per_example.engine`.)"""
     replicas.check_strategy(self.owner)
     loss_fn = loss if callable(loss) and tf.executing_eagerly() else None
     if callable(loss):
@@ -191,24 +191,10 @@ class PrivateStep:
     if tape is None and tf.executing_eagerly():
       raise ValueError("`tape` is required when a Tensor loss is passed eagerly.")
     if tf.executing_eagerly():
-      self._refuse_eager_mixing()
       logging.log_first_n(logging.WARNING, "%s runs eagerly: per-example gradients take the "
                           "exact but slow Jacobian path. Leave run_eagerly off for the fast path.",
                           1, self.owner)
     return loss, var_list, tape, loss_fn
-
-  def _refuse_eager_mixing(self) -> None:
-    """Refuses an eager step after a layer that mixes examples ran eagerly in training mode since
-    the previous step (or the optimizer's creation): no graph, so no self-check, can see it."""
-    calls = stack.eager_mixing_calls()
-    seen, self._mixing_calls = self._mixing_calls, calls
-    if calls > seen:
-      raise ValueError(
-          "A layer that mixes the examples of a batch (BatchNormalization in training mode) ran "
-          "eagerly since this optimizer's last step: per-example gradients, and the privacy "
-          "guarantee with them, are undefined. Replace BatchNormalization with "
-          "`tfdp_variants.batch_norm_to_group_norm(model)` (GroupNormalization), or use "
-          "LayerNormalization/GroupNormalization instead (or call it with training=False).")
 
   def run(self, context: StepContext, loss, var_list, tape, loss_fn=None
           ) -> list[tuple[tf.Tensor, tf.Variable]]:

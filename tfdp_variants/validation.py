@@ -12,9 +12,9 @@ import tensorflow as tf
 
 # Layers whose output for one example depends on the other examples of the batch in training mode
 # (Keras 2 keeps its synchronized batch normalization under `experimental`; Keras 3 has no
-# `experimental`). Eagerly they are counted (`stack.eager_mixing_calls`); in a graph the
-# trace-time analysis (`per_example.self_check.refuse_in_loss`) refuses any mixing, so a frozen one
-# called with training=False is accepted.
+# `experimental`). The trace-time analysis (`per_example.self_check.refuse_in_loss`) refuses any
+# mixing, so a frozen one called with training=False is accepted; `batch_norm_to_group_norm`
+# replaces them.
 MIXING_LAYERS: tuple[type, ...] = tuple(
     {tf.keras.layers.BatchNormalization, tf.compat.v1.keras.layers.BatchNormalization,
      *(getattr(tf.keras.layers, "experimental", None) and

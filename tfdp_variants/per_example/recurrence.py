@@ -57,12 +57,8 @@ def enable(model) -> None:
     [(2, 3, 16), (2, 4, 16)]
   """
   for layer in model._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
-    cache.RECURRENT_LOOPS.add(layer)
-
-
-def enabled(layer) -> bool:
-  """Whether `enable` reached `layer`."""
-  return layer in cache.RECURRENT_LOOPS
+    for bind in cache.LOOP_BINDERS:  # `stack.recurrent.bind`: instance attributes of the layer.
+      bind(layer)
 
 
 def _project(x: tf.Tensor, kernel: tf.Tensor, bias: Optional[tf.Tensor]) -> tf.Tensor:

@@ -6,8 +6,11 @@ TF 2.15 + Keras 2) is in this package, and nothing outside it asks which Keras r
 - `keras3`, `keras2`: each version's hooks, one API (`hooks.KerasHooks`); `chosen` picks one,
   once, at import;
 - `marker`: the DP optimizers' marker class, `unwrap`, `is_dp`;
-- `model_loss`, `fit`, `eager_mixing`: what a DP model's `compute_loss`, `fit` and mixing layers
-  do differently; `patches.install()` applies them (idempotent, called by `tfdp_variants`);
+- `binding`: a model compiled with a DP optimizer is bound to `binding.DPModel` (its class gets
+  that base, for this model alone); `binding.install()` (called by `tfdp_variants`) replaces
+  Keras' `compile`, the one attribute of Keras or TF the package replaces;
+- `model_loss`, `fit`, `recurrent`: what a DP model's `compute_loss`, `fit` and looped RNN layers
+  do differently;
 - `serialization`: one registered name for every DP optimizer class; `settings`: Keras optimizer
   settings a DP step refuses.
 
@@ -25,7 +28,7 @@ from tfdp_variants.stack.chosen import remember_loss
 from tfdp_variants.stack.chosen import remembered_loss
 from tfdp_variants.stack.chosen import steps_per_execution
 from tfdp_variants.stack.chosen import why_no_loss
-from tfdp_variants.stack.eager_mixing import eager_mixing_calls
+from tfdp_variants.stack.binding import install
 from tfdp_variants.stack.fit import carry_ledger
 from tfdp_variants.stack.fit import fit_inputs
 from tfdp_variants.stack.fit import FitInputs
@@ -34,7 +37,6 @@ from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.marker import unwrap
 from tfdp_variants.stack.model_loss import mean_reduced
 from tfdp_variants.stack.model_loss import model_losses_left
-from tfdp_variants.stack.patches import install
 from tfdp_variants.stack.serialization import class_reference
 from tfdp_variants.stack.serialization import register
 from tfdp_variants.stack.serialization import resolve_class

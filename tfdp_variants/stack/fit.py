@@ -1,6 +1,6 @@
-"""What `fit` and `train_on_batch` of a DP model do before and around Keras' own (patched by
-`stack.patches`), and `compile`'s one addition: the model's looped RNNs run
-`per_example.recurrence`'s loops (so do fit and train_on_batch, for layers built after compile).
+"""What `fit` and `train_on_batch` of a DP model do before and around Keras' own (`binding.DPModel`
+calls them), and the ledger a DP optimizer continues on compile (`continue_ledger`). Both let the
+model's looped RNNs run `per_example.recurrence`'s loops, for layers built after compile.
 
 Before the first step it refuses batches that would not split into `num_microbatches` (else the
 in-graph check stops fit at the partial last batch, after training on the earlier ones) and runs
@@ -115,21 +115,6 @@ def _refuse_partial_microbatches(microbatches: int, arguments: dict) -> None:
 keras_fit = keras.Model.fit
 keras_train_on_batch = keras.Model.train_on_batch
 keras_compile = keras.Model.compile
-
-
-@functools.wraps(keras_compile)
-def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
-  """Keras' compile; with a DP optimizer, the model's looped RNNs get per-example rules
-  (`recurrence.enable`), and the optimizer continues the ledger of the model's earlier DP
-  optimizer (a reloaded model's spent budget: `continue_ledger`)."""
-  previous = unwrap(getattr(self, "optimizer", None))
-  given = unwrap(inspect.signature(keras_compile).bind(self, *args, **kwargs).arguments.get(
-      "optimizer"))
-  if is_dp(given) and is_dp(previous) and previous is not given:  # Refused before compiling.
-    continue_ledger(given, previous, self.trainable_variables)
-  keras_compile(self, *args, **kwargs)
-  if is_dp(unwrap(getattr(self, "optimizer", None))):
-    recurrence.enable(self)
 
 
 def continue_ledger(given, previous, variables) -> None:

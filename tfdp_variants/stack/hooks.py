@@ -34,8 +34,9 @@ class KerasHooks(Protocol):
   def loss_scale_wrapper(self, inner):
     """The LossScaleOptimizer that scaled this step's loss for `inner`, or None."""
 
-  def remember_loss(self, optimizer, loss, scaled) -> None:
-    """Keeps the loss `scale_loss` was given, for `remembered_loss`."""
+  def remember_loss(self, optimizer, loss, scaled):
+    """Keeps the loss `scale_loss` was given, for `remembered_loss`; returns what `scale_loss`
+    returns in place of `scaled`."""
 
   def remembered_loss(self, optimizer, grads: Sequence) -> Optional[tf.Tensor]:
     """The loss kept for this step (once), else None."""
@@ -52,8 +53,8 @@ class KerasHooks(Protocol):
   def reported_loss(self, loss: tf.Tensor) -> tf.Tensor:
     """The loss `compute_loss` returns to Keras (for its metric)."""
 
-  def install(self, patch: Callable[[object, str, Callable], None]) -> None:
-    """Applies this version's patches through `patch(owner, name, wrapper)`."""
+  def model_methods(self) -> dict[str, Callable]:
+    """The methods a DP model (`binding.DPModel`) has on this version alone, by name."""
 
 
 NAMES = [name for name in vars(KerasHooks) if not name.startswith("_")]

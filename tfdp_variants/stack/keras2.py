@@ -19,7 +19,6 @@ import tensorflow as tf
 
 from tfdp_variants import replicas
 from tfdp_variants.stack import hooks
-from tfdp_variants.stack import recurrent
 from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
@@ -97,9 +96,10 @@ def loss_scale_wrapper(inner) -> Optional[LossScaleOptimizer]:
   return loss_scaler_calling(inner)
 
 
-def remember_loss(optimizer, loss, scaled) -> None:
+def remember_loss(optimizer, loss, scaled):
   """Keras 2 never calls `scale_loss`: the loss reaches `_compute_gradients` itself."""
-  del optimizer, loss, scaled
+  del optimizer, loss
+  return scaled
 
 
 def remembered_loss(optimizer, grads: Sequence) -> None:
@@ -129,6 +129,6 @@ def reported_loss(loss: tf.Tensor) -> tf.Tensor:
   return loss
 
 
-def install(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 2's patch of its own: the looped RNN layers' `call` (`recurrent`)."""
-  recurrent.install_keras2(patch)
+def model_methods() -> dict[str, Callable]:
+  """Keras 2's DP models need no method of their own beyond `binding.DPModel`'s."""
+  return {}

@@ -5,12 +5,13 @@ tape, then calls `apply_gradients` (which calls `apply`) with the batch's summed
 optimizer keeps that loss (`remember_loss`, as state of the optimizer) and, in `apply`, computes
 its private gradients from the traced graph instead (Keras' summed gradients are left unused). A
 step with no such loss (a custom `train_step` that never calls `scale_loss`, an eager step) is
-refused, never applied; so is one whose gradients are not those `tf.GradientTape.gradient`
-returned for the very tensor `scale_loss` returned (a term added after `scale_loss` would be
-dropped): `GradientTape.gradient` is wrapped (`install`) to note, in a graph, which target each
-gradient is of. Keras 3's LossScaleOptimizer never passes the loss on, so mixed precision is
-refused here. Under tf.distribute the reported loss is divided by the replicas as Keras divides
-its reduced losses, and two Keras 3.15 failures are worked around (`install`).
+refused, never applied; so is one whose gradients are not gradients of the very tensor
+`scale_loss` returned (a term added after `scale_loss` would be dropped): `scale_loss` returns it
+through an identity whose gradient marks the gradient it passes down, and `remembered_loss` reads
+the graph (`_outside_scale_loss`). Keras 3's LossScaleOptimizer never passes the loss on, so mixed
+precision is refused here. Under tf.distribute the reported loss is divided by the replicas as
+Keras divides its reduced losses, and two Keras 3.15 failures are worked around for DP models
+(`model_methods`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from tfdp_variants import cache
 from tfdp_variants import replicas
 from tfdp_variants import validation
 from tfdp_variants.stack import hooks
-from tfdp_variants.stack import recurrent
-from tfdp_variants.stack.marker import is_dp
 from tfdp_variants.stack.marker import loss_scaler_calling
 from tfdp_variants.stack.version import keras
 from tfdp_variants.stack.version import LossScaleOptimizer
@@ -93,27 +92,74 @@ def _kept(optimizer) -> weakref.WeakKeyDictionary:
   return optimizer._tfdp_kept_losses.by_graph  # pylint: disable=protected-access
 
 
-def remember_loss(optimizer, loss, scaled) -> None:
+def remember_loss(optimizer, loss, scaled):
   """Keeps, as the optimizer's state, the loss `train_step` passes to `optimizer.scale_loss` for
   this graph (and replica: MirroredStrategy traces each in its own thread), undivided by the
-  replicas if `reported_loss` divided it, with `scaled`, what `scale_loss` returned. An eager loss
-  is not kept (see `why_no_loss`)."""
+  replicas if `reported_loss` divided it; returns `scaled`, what `scale_loss` returns, through an
+  identity whose gradient is marked (`remembered_loss` checks the gradients against it). An eager
+  loss is not kept (see `why_no_loss`)."""
   graph = getattr(loss, "graph", None)
   if graph is None or tf.executing_eagerly():
-    return
+    return scaled
   reported, undivided = cache.REPLICA_SCALED.get(graph, {}).pop(id(loss), (None, None))
   if reported is not None and reported() is loss:
     loss = undivided
-  _kept(optimizer).setdefault(graph, {})[threading.get_ident()] = (loss, scaled)
+  markers: list[tf.Operation] = []
+
+  @tf.custom_gradient
+  def marked(x):
+    def grad(dy):
+      passed = tf.identity(dy)
+      markers.append(passed.op)
+      return passed
+    return tf.identity(x), grad
+
+  scaled = marked(scaled)
+  start = len(graph.get_operations())
+  _kept(optimizer).setdefault(graph, {})[threading.get_ident()] = (loss, start, markers)
+  return scaled
+
+
+def _outside_scale_loss(graph, start: int, markers: list, grads: Sequence) -> bool:
+  """Whether a gradient in `grads` is not a gradient of what `scale_loss` returned alone.
+
+  The ops made after `scale_loss` returned (from `start` on, in order) are the tape's backward
+  pass and anything added since. A gradient of that tensor flows from the target's seed (the
+  ancestors of a marker) through a marker, then down the model: an op reading the seed side other
+  than a marker (the gradient of a term added after `scale_loss`), and all it feeds, is outside;
+  so is a gradient that no marker feeds (of another tensor).
+  """
+  new = graph.get_operations()[start:]
+  fresh = set(new)
+  seed, todo = set(), [t.op for m in markers for t in m.inputs]
+  while todo:
+    op = todo.pop()
+    if op in fresh and op not in seed:
+      seed.add(op)
+      todo.extend(t.op for t in op.inputs)
+  through, outside = set(markers), set()
+  for op in new:
+    inputs = [t.op for t in op.inputs]
+    if op not in through and any(i in through for i in inputs):
+      through.add(op)
+    if op not in seed and op not in markers and any(i in seed or i in outside for i in inputs):
+      outside.add(op)
+  for gradient in grads:
+    if gradient is None:
+      continue
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    if not isinstance(values, tf.Tensor) or values.op in outside or values.op not in through:
+      return True
+  return False
 
 
 def remembered_loss(optimizer, grads: Sequence) -> Optional[tf.Tensor]:
   """The loss `remember_loss` kept in the current graph and replica (handed out once), else None.
 
-  Raises ValueError unless every gradient in `grads` is one `tf.GradientTape.gradient` returned
-  for the very tensor `scale_loss` returned: the optimizer privatizes that loss alone, so the
-  gradient of anything else (a term added after `scale_loss`, changed gradients) would be
-  replaced without a word.
+  Raises ValueError if a gradient in `grads` is not a gradient of the very tensor `scale_loss`
+  returned (`_outside_scale_loss`): the optimizer privatizes that loss alone, so the gradient of
+  anything else (a term added after `scale_loss`, another tensor) would be replaced without a
+  word.
   """
   if tf.executing_eagerly():
     return None
@@ -121,21 +167,15 @@ def remembered_loss(optimizer, grads: Sequence) -> Optional[tf.Tensor]:
   kept = _kept(optimizer).get(graph, {}).pop(threading.get_ident(), None)
   if kept is None:
     return None
-  loss, scaled = kept
-  record = cache.TAPE_GRADIENTS.get(graph, {})
-  for gradient in grads:
-    if gradient is None:
-      continue
-    found, of = record.get(id(gradient), (lambda: None, lambda: None))
-    if found() is not gradient or of() is not scaled:
-      raise ValueError(
-          f"{type(optimizer).__name__} was given gradients that are not the gradients of the "
-          "loss this step passed to its scale_loss (a custom train_step that adds a term to the "
-          "loss after scale_loss, differentiates another tensor, or changes the gradients). The "
-          "DP optimizer privatizes the per-example loss given to scale_loss and nothing else. "
-          "Compute every term per example before scale_loss (loss = "
-          "optimizer.scale_loss(per_example_loss)), then pass tape.gradient(loss, variables) to "
-          "apply_gradients unchanged.")
+  loss, start, markers = kept
+  if _outside_scale_loss(graph, start, markers, grads):
+    raise ValueError(
+        f"{type(optimizer).__name__} was given gradients that are not the gradients of the "
+        "loss this step passed to its scale_loss (a custom train_step that adds a term to the "
+        "loss after scale_loss, or differentiates another tensor). The DP optimizer privatizes "
+        "the per-example loss given to scale_loss and nothing else. Compute every term per "
+        "example before scale_loss (loss = optimizer.scale_loss(per_example_loss)), then pass "
+        "tape.gradient(loss, variables) to apply_gradients unchanged.")
   return loss
 
 
@@ -182,24 +222,7 @@ def reported_loss(loss: tf.Tensor) -> tf.Tensor:
   return reported
 
 
-# Patches of Keras 3 and TF, applied by `install`.
-
-_tape_gradient = tf.GradientTape.gradient
-
-
-@functools.wraps(_tape_gradient)
-def _recording_gradient(self, target, sources, output_gradients=None, *args, **kwargs):
-  """tf.GradientTape.gradient, noting in a graph which target each gradient is of (a gradient
-  seeded with `output_gradients` is of no target): `remembered_loss` checks them."""
-  result = _tape_gradient(self, target, sources, output_gradients, *args, **kwargs)
-  if not tf.executing_eagerly():
-    of = (weakref.ref(target) if output_gradients is None and isinstance(target, tf.Tensor)
-          else (lambda: None))
-    record = cache.TAPE_GRADIENTS.setdefault(tf.compat.v1.get_default_graph(), {})
-    for gradient in tf.nest.flatten(result):
-      if gradient is not None:
-        record[id(gradient)] = (weakref.ref(gradient), of)
-  return result
+# What a DP model does differently on Keras 3 (`model_methods`).
 
 
 def _one_replica(value):
@@ -209,48 +232,50 @@ def _one_replica(value):
   return value
 
 
-_keras_symbolic_build = keras.Model._maybe_symbolic_build  # pylint: disable=protected-access
-
-
-@functools.wraps(_keras_symbolic_build)
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-  """Keras 3's, built from one replica's part of the first batch for a DP model. Keras averages
-  the replicas' parts with `strategy.reduce`, which fails when they differ in size (a first batch
-  that does not split evenly, as Poisson sampling gives) and under MultiWorkerMirroredStrategy (it
-  takes no nested batch there); the build needs only their shapes."""
-  if (iterator is None or not is_dp(getattr(self, "optimizer", None))
-      or self._distribute_strategy is None):  # pylint: disable=protected-access
-    return _keras_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+  """Keras 3's, built from one replica's part of the first batch. Keras averages the replicas'
+  parts with `strategy.reduce`, which fails when they differ in size (a first batch that does not
+  split evenly, as Poisson sampling gives) and under MultiWorkerMirroredStrategy (it takes no
+  nested batch there); the build needs only their shapes."""
+  if iterator is None or self._distribute_strategy is None:  # pylint: disable=protected-access
+    return keras.Model._maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)  # pylint: disable=protected-access
   with self.distribute_strategy.scope():
     for _, _, batches in iterator:
       data_batch = tf.nest.map_structure(_one_replica, next(batches))
       break
-  return _keras_symbolic_build(self, data_batch=data_batch)
+  return keras.Model._maybe_symbolic_build(self, data_batch=data_batch)  # pylint: disable=protected-access
 
 
 _tf_trainer = importlib.import_module("keras.src.backend.tensorflow.trainer")
-_keras_reduce_per_replica = _tf_trainer.reduce_per_replica
 
 
-@functools.wraps(_keras_reduce_per_replica)
-def _reduce_per_replica(values, strategy, reduction="auto"):
-  """Keras 3's, with scalar logs averaged over MultiWorkerMirroredStrategy's replicas: Keras
-  reduces them over an axis 0 they lack, so its fit fails there for any model
-  (tensorflow/tensorflow#72388)."""
-  multi_worker = _tf_trainer._collective_all_reduce_multi_worker(strategy)  # pylint: disable=protected-access
-  if not (multi_worker and reduction in ("auto", "mean")):
-    return _keras_reduce_per_replica(values, strategy, reduction)
-
-  def mean(value):
-    part = strategy.experimental_local_results(value)[0]
-    return strategy.reduce("MEAN", value, axis=0 if part.shape.rank else None)
-
-  return tf.nest.map_structure(mean, values)
+def _ranked(logs):
+  """Rank-0 logs as shape (1,): under MultiWorkerMirroredStrategy Keras averages the replicas'
+  logs over an axis 0 that scalars lack, so its fit fails there for any model
+  (tensorflow/tensorflow#72388); over (1,) the mean is the replicas' mean."""
+  return tf.nest.map_structure(
+      lambda t: tf.reshape(t, [1]) if isinstance(t, tf.Tensor) and t.shape.rank == 0 else t, logs)
 
 
-def install(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 3's patches, each through `patch(owner, name, wrapper)` (`stack.patches`)."""
-  patch(tf.GradientTape, "gradient", _recording_gradient)
-  recurrent.install_keras3(patch)
-  patch(keras.Model, "_maybe_symbolic_build", _maybe_symbolic_build)
-  patch(_tf_trainer, "reduce_per_replica", _reduce_per_replica)
+def _make_function(kind: str) -> Callable:
+  """Keras 3's `make_train_function` or `make_test_function` (`kind`), whose steps return ranked
+  logs (`_ranked`) under MultiWorkerMirroredStrategy."""
+  keras_make = getattr(keras.Model, f"make_{kind}_function")
+
+  @functools.wraps(keras_make)
+  def make(self, force=False):
+    if getattr(self, f"{kind}_function") is not None and not force or not (
+        _tf_trainer._collective_all_reduce_multi_worker(self.distribute_strategy)):  # pylint: disable=protected-access
+      return keras_make(self, force)
+    step = getattr(self, f"{kind}_step")
+    setattr(self, f"{kind}_function", self._make_function(lambda data: _ranked(step(data))))  # pylint: disable=protected-access
+    return getattr(self, f"{kind}_function")
+
+  return make
+
+
+def model_methods() -> dict[str, Callable]:
+  """The methods of `binding.DPModel` particular to Keras 3: two tf.distribute workarounds."""
+  return {"_maybe_symbolic_build": _maybe_symbolic_build,
+          "make_train_function": _make_function("train"),
+          "make_test_function": _make_function("test")}

@@ -3,7 +3,7 @@
 Keras' `Model.compute_loss` adds the model's losses (weight regularizers, `add_loss` terms) to the
 compiled loss, which breaks a per-example loss vector (Keras 2: "Shapes must be equal rank";
 Keras 3 broadcasts them into every example's loss, clipping the regularizer with the data). So for
-a model whose optimizer is a DP optimizer `compute_loss` (patched by `stack.patches`) returns the
+a model whose optimizer is a DP optimizer `compute_loss` (`binding.DPModel`'s) returns the
 per-example data loss alone, computed inside `losses.bounded_labels()` (a label out of range
 contributes 0, never raises). Terms that do not depend on the step's data are left to the
 optimizer, which adds their gradient after privatization (the objective is the mean data loss plus
@@ -89,6 +89,7 @@ UNEQUAL_OUTPUT_LOSSES = (
     "against the other). Reduce each output's loss to shape (B,), e.g. loss=lambda y, p: "
     "tf.reduce_mean(seq_loss(y, p), axis=-1) for the sequence output, or give all outputs "
     "outputs of the same rank.")
+# What follows `binding.DPModel` in a DP model's class.
 keras_compute_loss = keras.Model.compute_loss
 
 

@@ -2,9 +2,10 @@
 
 In a graph, the loop of an LSTM, GRU, SimpleRNN or ConvLSTM1D/2D/3D layer, or of an `RNN` of one
 of their cells (LSTMCell, GRUCell, SimpleRNNCell) or of `StackedRNNCells` of them, that
-`recurrence.enable` reached (`fit` of a DP model does) is `per_example.recurrence`'s (the input
-projection hoisted out of the loop, the recurrent product proven by the "loop_matmul" or
-"loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Dropout in
+`recurrence.enable` reached (`fit` of a DP model does; `bind` gives such a layer, as an instance
+attribute, Keras 3's `inner_loop` or Keras 2's `call` of this module) is
+`per_example.recurrence`'s (the input projection hoisted out of the loop, the recurrent product
+proven by the "loop_matmul" or "loop_conv" rule) instead of Keras' cell loop: the same values, masks included. Dropout in
 training is drawn before the loop, masks the same at every step as Keras' cell draws them: input
 `dropout` with one mask multiplies x before the hoisted projection; per-gate masks (Keras'
 `implementation=1`, which `recurrent_dropout` implies) give each gate its own columns of W and U,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from typing import Callable, Optional
 
 import tensorflow as tf
@@ -96,8 +98,7 @@ def per_example_loop(layer, sequences: tf.Tensor, initial_state: list, mask,
   masks = [m for m in tf.nest.flatten(mask) if m is not None]
   dropping = training is not False and any(
       getattr(c, "dropout", 0) or getattr(c, "recurrent_dropout", 0) for c in cells)
-  if (any(type(c) not in _CELLS for c in cells) or not recurrence.enabled(layer)
-      or not tf.inside_function() or layer.unroll
+  if (any(type(c) not in _CELLS for c in cells) or not tf.inside_function() or layer.unroll
       or len(masks) > 1 or (masks and masks[0].shape.rank != 2)
       or (dropping and not all(_hoistable_dropout(c, training) for c in cells))
       or (stacked and (_CONV_LSTM_CELL in map(type, cells)
@@ -160,6 +161,8 @@ def _cell_loop(cell, x: tf.Tensor, states: list, dtype: tf.DType, masking: dict,
 
 
 def _inner_loop(keras_inner_loop: Callable) -> Callable:
+  """Keras 3's `inner_loop` of the looped layers: ours where `per_example_loop` applies."""
+
   @functools.wraps(keras_inner_loop)
   def inner_loop(self, sequences, initial_state, mask, training=False):
     ours = per_example_loop(self, sequences, initial_state, mask, training)
@@ -169,16 +172,9 @@ def _inner_loop(keras_inner_loop: Callable) -> Callable:
   return inner_loop
 
 
-# RNN last: `RNN(LSTMCell(...))` and the like (its subclasses above wrap what they inherit first).
+# RNN last: `RNN(LSTMCell(...))` and the like (its subclasses above inherit from it).
 _LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN, *_CONV_LSTMS,
            keras.layers.RNN)
-
-
-def install_keras3(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 3: wraps the looped layers' `inner_loop` (SimpleRNN's and ConvLSTM's are RNN's own;
-  RNN's serves a plain `RNN` of a built-in cell)."""
-  for layer in _LAYERS:
-    patch(layer, "inner_loop", _inner_loop(layer.inner_loop))
 
 
 def _call(keras_call: Callable) -> Callable:
@@ -205,7 +201,21 @@ def _call(keras_call: Callable) -> Callable:
   return call
 
 
-def install_keras2(patch: Callable[[object, str, Callable], None]) -> None:
-  """Keras 2 (tf-keras, TF 2.15): wraps the looped layers' `call`."""
-  for layer in _LAYERS:
-    patch(layer, "call", _call(layer.call))
+# The method of the layer that runs its loop, ours in its place, and Keras' versions of it.
+_NAME, _WRAP = ("inner_loop", _inner_loop) if KERAS_3 else ("call", _call)
+_KERAS_LOOPS = {getattr(layer, _NAME) for layer in _LAYERS}
+
+
+def bind(layer) -> None:
+  """Gives a looped layer of `_LAYERS` whose class does not override Keras' method this module's
+  loop, as an instance attribute (`recurrence.enable` calls it on every layer)."""
+  if getattr(type(layer), _NAME, None) in _KERAS_LOOPS and _NAME not in vars(layer):
+    ours = _WRAP(getattr(type(layer), _NAME))
+    ours.tfdp_loop = True
+    object.__setattr__(layer, _NAME, types.MethodType(ours, layer))
+
+
+def unbind(layer) -> None:
+  """Undoes `bind`."""
+  if getattr(getattr(vars(layer).get(_NAME), "__func__", None), "tfdp_loop", False):
+    object.__delattr__(layer, _NAME)
