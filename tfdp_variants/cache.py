@@ -26,21 +26,10 @@ TAPE_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PREFLIGHT_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # The layers whose looped RNN cells run `per_example.recurrence`'s loops (`recurrence.enable`).
 RECURRENT_LOOPS: weakref.WeakSet = weakref.WeakSet()
-# graph -> {TensorList flow name: element dtype}: the lists a `recurrence` loop reads every row of.
-LISTS_READ_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-# graph -> the batch size of a step that closes over its batch: its captured tensors and constants
-# of that many rows are data in the rules' proofs (`trace.data_from_constants`).
-CONSTANT_DATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> {analysis mode: {tensor name: info}}: `trace`'s memo of the batch-axis analyses.
-ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> names of the tensors the DP mechanism released (`trace.mark_released`, written by
-# `PrivateStep._release`): post-processing of a release mixes no example.
-RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# (function, dtype, static shape) -> the structure of the function's graph (`graph.computes`): the
-# reference computations (a ragged argument's row ids) traced once; keyed by no graph, so a plain
-# dictionary of a few entries.
-REFERENCE_STRUCTURES: dict = {}
+# graph -> its `per_example.graph_state.GraphAnalysis`: the analysis' memo, the tensors the DP
+# mechanism released, the batch a step closes over, the lists a recurrence loop reads whole.
+GRAPH_ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Count:
