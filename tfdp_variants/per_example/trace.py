@@ -278,12 +278,12 @@ class Analysis:
           return info
         if isinstance(info, B.Mixed):
           return B.Mixed(writer, f"writes a value mixing several examples (from {info.describe()}) "
-                       f"to a variable that the loss reads{_WRITE_FIX}")
+                         f"to a variable that the loss reads{_WRITE_FIX}")
         if info is None:
           result = None
         elif info.axis is not None:
           return B.Mixed(writer, "writes a value computed from the batch to a variable that the "
-                       f"loss reads{_WRITE_FIX}")
+                         f"loss reads{_WRITE_FIX}")
     return result
 
   @tf.autograph.experimental.do_not_convert

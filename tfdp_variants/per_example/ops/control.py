@@ -261,11 +261,12 @@ FAMILY.ops(_LISTS, outputs=lambda op, ins, memo, an: [
 FAMILY.ops(_ASSIGNS, writes=True)
 # Ops of no hook of their own, registered so that pfor is trusted with a backward pass through them
 # (`OpRule.pfor_wrong`; an op of no rule is not): a variable's read (its gradient the identity),
-# random draws, ranges, empty lists and NoOp (no gradient). The analysis follows them as any op.
+# random draws, ranges, empty lists, Where and NoOp (no gradient). The analysis follows them as it
+# follows any op.
 FAMILY.ops(["ReadVariableOp", "NoOp", "Range", "LinSpace", "Empty", "TensorListReserve",
             "EmptyTensorList", "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
             "TruncatedNormal", "StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
             "StatelessRandomGetKeyCounterAlg", "StatelessRandomUniform", "StatelessRandomNormal",
             "StatelessTruncatedNormal", "StatelessRandomUniformInt", "StatelessRandomUniformV2",
             "StatelessRandomNormalV2", "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-            "StatelessRandomUniformFullIntV2", "StatelessRandomBinomial", "RngReadAndSkip"])
+            "StatelessRandomUniformFullIntV2", "StatelessRandomBinomial", "RngReadAndSkip", "Where"])

@@ -35,7 +35,7 @@ def _gather(op: tf.Operation, ins: list[B.Info]) -> B.Info:
     if axis is None or axis == params.axis:
       return None
     return B.Batch(params.axis if axis > params.axis
-                       else params.axis + G.rank(op.inputs[1]) - 1)
+                   else params.axis + G.rank(op.inputs[1]) - 1)
   return None
 
 
