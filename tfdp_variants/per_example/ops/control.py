@@ -261,12 +261,14 @@ FAMILY.ops(_LISTS, outputs=lambda op, ins, memo, an: [
 FAMILY.ops(_ASSIGNS, writes=True)
 # Ops of no hook of their own, registered so that pfor is trusted with a backward pass through them
 # (`OpRule.pfor_wrong`; an op of no rule is not): a variable's read (its gradient the identity),
-# random draws, ranges, empty lists, Where and NoOp (no gradient). The analysis follows them as it
-# follows any op.
+# random draws, ranges, empty lists, Where and NoOp (no gradient), and TensorListPushBack (a
+# while loop's accumulator; its gradient, a PopBack, vectorized in the zoo's fallbacks). The
+# analysis follows them as it follows any op.
 FAMILY.ops(["ReadVariableOp", "NoOp", "Range", "LinSpace", "Empty", "TensorListReserve",
-            "EmptyTensorList", "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
-            "TruncatedNormal", "StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
-            "StatelessRandomGetKeyCounterAlg", "StatelessRandomUniform", "StatelessRandomNormal",
-            "StatelessTruncatedNormal", "StatelessRandomUniformInt", "StatelessRandomUniformV2",
-            "StatelessRandomNormalV2", "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-            "StatelessRandomUniformFullIntV2", "StatelessRandomBinomial", "RngReadAndSkip", "Where"])
+            "EmptyTensorList", "TensorListPushBack", "RandomUniform", "RandomUniformInt",
+            "RandomStandardNormal", "TruncatedNormal", "StatelessRandomGetKeyCounter",
+            "StatelessRandomGetAlg", "StatelessRandomGetKeyCounterAlg", "StatelessRandomUniform",
+            "StatelessRandomNormal", "StatelessTruncatedNormal", "StatelessRandomUniformInt",
+            "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessTruncatedNormalV2",
+            "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2",
+            "StatelessRandomBinomial", "RngReadAndSkip", "Where"])
