@@ -22,14 +22,20 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
-  """Module -> the package modules it imports (a `from package import module` names the module
-  alone; the top-level package's own `__init__` imports everything and is left out)."""
+  """Module -> the package modules it imports, anywhere in it (in functions too), statically or by
+  name (`importlib.import_module("...")`, `__import__("...")` of a string literal); a `from
+  package import module` names the module alone; the top-level package's own `__init__` imports
+  everything and is left out."""
   graph = {}
   for name, path in modules.items():
     edges = set()
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
+      elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and ast.unparse(node.func) in ("importlib.import_module", "import_module",
+                                           "__import__")):
+        targets = [node.args[0].value]
       elif isinstance(node, ast.ImportFrom) and node.module:
         subs = [f"{node.module}.{a.name}" for a in node.names]
         targets = ([s for s in subs if s in modules] if all(s in modules for s in subs)
@@ -118,13 +124,16 @@ def test_the_analysis_looks_ops_up_in_the_registry():
   """`trace`'s analysis loop tests no op type: each op's effect is its registry rule (`ops/`), and
   an op no family registered reaches the one branch that makes its outputs unknown."""
   tree = ast.parse((ROOT / "per_example" / "trace.py").read_text())
-  loop = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)
+  analysis = next(node for node in tree.body
+                  if isinstance(node, ast.ClassDef) and node.name == "Analysis")
+  loop = {node.name: node for node in [*tree.body, *analysis.body]
+          if isinstance(node, ast.FunctionDef)
           and node.name in ("analyse", "_outputs", "_kept_blocks")}
   assert len(loop) == 3
   assert {name: _type_tests(f) for name, f in loop.items()} == {name: [] for name in loop}
   lookups = [node for f in loop.values() for node in ast.walk(f)
              if isinstance(node, ast.Attribute) and node.attr == "type"]
-  assert len(lookups) == 1  # `registry.op_rule(op.type)`.
+  assert len(lookups) == 1  # `self.registry.op_rule(op.type)`.
   unknown = [line for line in ast.get_source_segment(
       (ROOT / "per_example" / "trace.py").read_text(), loop["_outputs"]).splitlines()
              if "registry.NO_RULE" in line]
@@ -132,24 +141,38 @@ def test_the_analysis_looks_ops_up_in_the_registry():
 
 
 def test_each_op_type_and_factor_kind_is_registered_by_one_family():
-  """Every registered op type and factor kind has one family module under `per_example/ops/`
-  (a second registration of either is refused), and the factors' precedence lists each kind once."""
+  """Every registered op type and factor kind of the default registry has one family module under
+  `per_example/ops/`, each family module is in it, a second registration of either is refused, and
+  so are two factor kinds of one priority; a new kind is one registration, placed by priority."""
+  from tfdp_variants.per_example.ops import families  # pylint: disable=g-import-not-at-top
   from tfdp_variants.per_example.ops import registry  # pylint: disable=g-import-not-at-top
-  families = {name for name in _modules() if name.startswith("tfdp_variants.per_example.ops.")}
-  ops, factors = registry.op_rules(), registry.factor_rules()
-  assert {rule.family for rule in ops.values()} <= families
-  assert {rule.family for rule in factors.values()} <= families
-  assert tuple(factors) == registry.FACTOR_ORDER
-  assert len(set(registry.FACTOR_ORDER)) == len(registry.FACTOR_ORDER)
-  tables = registry._Tables()  # pylint: disable=protected-access
-  tables.add_op("MatMul", registry.OpRule(family="a"))
+  modules = {name for name in _modules() if name.startswith("tfdp_variants.per_example.ops.")}
+  registering = {name for name in modules
+                 if "registry.Family(__name__)" in _modules()[name].read_text()}
+  assert {f.__name__ for f in families.FAMILIES} == registering
+  ops, factors = families.DEFAULT.op_rules(), families.DEFAULT.factor_rules()
+  assert {rule.family for rule in ops.values()} <= modules
+  assert {rule.family for rule in factors.values()} <= modules
+  priorities = [rule.priority for rule in factors.values()]
+  assert priorities == sorted(priorities) and list(factors)[-1] == "derived"
+  a, b = registry.Family("a"), registry.Family("b")
+  a.ops(["MatMul"])
+  b.ops(["MatMul"])
   with pytest.raises(ValueError, match="registered by a and b"):
-    tables.add_op("MatMul", registry.OpRule(family="b"))
-  tables.add_factor("matmul", registry.FactorRule(None, None, family="a"))
-  with pytest.raises(ValueError, match="twice"):
-    tables.add_factor("matmul", registry.FactorRule(None, None, family="b"))
-  with pytest.raises(RuntimeError, match="frozen"):
-    registry.Family("late").ops(["NotAnOp"])
+    registry.Registry([a, b])
+  a, b = registry.Family("a"), registry.Family("b")
+  a.factor("matmul", None, None, priority=1)
+  b.factor("matmul", None, None, priority=2)
+  with pytest.raises(ValueError, match="registered by a and b"):
+    registry.Registry([a, b])
+  b = registry.Family("b")
+  b.factor("other", None, None, priority=1)
+  with pytest.raises(ValueError, match="share a priority"):
+    registry.Registry([a, b])
+  c = registry.Family("c")
+  c.factor("first", None, None, priority=0)
+  assert list(registry.Registry([*(f.FAMILY for f in families.FAMILIES), c]).factor_rules()
+              )[0] == "first"
 
 
 def test_the_optimizer_mixin_only_adapts_keras():
@@ -200,6 +223,13 @@ def test_the_per_example_gradients_of_a_scaled_loss_are_per_example_gradients():
     _check_conforms(implementation, interfaces.Gradients)
 
 
+def test_the_analysis_is_what_the_rules_are_handed():
+  """`trace.Analysis` meets `interfaces.Analysis`, which the registry's rules call back into."""
+  from tfdp_variants.per_example import interfaces  # pylint: disable=g-import-not-at-top
+  from tfdp_variants.per_example import trace  # pylint: disable=g-import-not-at-top
+  _check_conforms(trace.DEFAULT, interfaces.Analysis)
+
+
 def test_each_keras_version_provides_the_hooks():
   """Read from the source: only the running version's module imports on each stack."""
   from tfdp_variants.stack import hooks  # pylint: disable=g-import-not-at-top
@@ -216,9 +246,12 @@ def test_an_op_no_family_registered_is_unknown():
   """An op of no registry rule (MatrixDeterminant) makes a batched tensor's info unknown, and what
   follows it too; on tensors of no example it depends on no example."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp_variants.per_example import batch_info  # pylint: disable=g-import-not-at-top
+  from tfdp_variants.per_example import rules  # pylint: disable=g-import-not-at-top
   from tfdp_variants.per_example import trace  # pylint: disable=g-import-not-at-top
   from tfdp_variants.per_example.ops import registry  # pylint: disable=g-import-not-at-top
-  assert registry.op_rule("MatrixDeterminant") is registry.NO_RULE
+  assert trace.DEFAULT.registry.op_rule("MatrixDeterminant") is registry.NO_RULE
+  assert registry.NO_RULE.pfor_wrong(None)  # Unknown to pfor too: the fallback loops.
   found = {}
 
   @tf.function(autograph=False)
@@ -228,21 +261,81 @@ def test_an_op_no_family_registered_is_unknown():
     return det
 
   step.get_concrete_function(tf.TensorSpec([4, 3, 3]))
-  assert trace.batch_info(found["x"]) == trace.Batch(0)
-  assert trace.batch_info(found["det"]) is None
-  assert trace.batch_info(found["after"]) is None
-  assert trace.batch_info(found["fixed"]) == trace.NO_BATCH
+  analysis = trace.DEFAULT
+  assert analysis.batch_info(found["x"]) == batch_info.Batch(0)
+  assert analysis.batch_info(found["det"]) is None
+  assert analysis.batch_info(found["after"]) is None
+  assert analysis.batch_info(found["fixed"]) == batch_info.NO_BATCH
+  assert rules.pfor_unsafe(found["det"], analysis.registry)
+  assert not rules.pfor_unsafe(found["x"], analysis.registry)
+
+
+# Module-level state outside `cache.py`, each with why it cannot be an object's.
+_MODULE_STATE = {
+    # The algorithms, accountants and batch selections by name, filled by `@register` as their
+    # modules import, read-only after.
+    "tfdp_variants.algorithms.base": {"REGISTRY"},
+    "tfdp_variants.mechanism.accountants": {"ACCOUNTANTS"},
+    "tfdp_variants.mechanism.selection": {"SELECTIONS"},
+    # Thread-locals: a context set around one Keras call that reaches us through Keras' code.
+    "tfdp_variants.losses": {"_STATE"},
+    "tfdp_variants.per_example.recurrence": {"_EMPTY_LISTS"},
+}
+_MUTATORS = {"append", "add", "update", "setdefault", "extend", "insert", "pop", "popitem", "clear",
+             "remove", "discard"}
+_CONTAINERS = re.compile(
+    r"^(\{\}|\[\]|(set|dict|list)\(\)|(collections|weakref|threading)\.\w+\(.*\))$")
+
+
+def _module_state(path: pathlib.Path) -> set[str]:
+  """Names a module binds at its top to a mutable container (empty `{}`, `[]`, `set()`, `dict()`,
+  `list()`, a `collections`, `weakref` or `threading` object), or mutates from a function
+  (an item or attribute assigned, a mutating method called: `REGISTRY[k] = v`, `SEEN.add(x)`)."""
+  tree = ast.parse(path.read_text())
+  top = {}
+  for node in tree.body:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+      for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+        if isinstance(target, ast.Name):
+          top[target.id] = ast.unparse(node.value)
+  state = {name for name, value in top.items() if _CONTAINERS.match(value)}
+  for function in ast.walk(tree):
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    local = {a.arg for a in function.args.args + function.args.kwonlyargs}
+    local |= {t.id for n in ast.walk(function) if isinstance(n, (ast.Assign, ast.For))
+              for t in ast.walk(n.targets[0] if isinstance(n, ast.Assign) else n.target)
+              if isinstance(t, ast.Name)}
+    for node in ast.walk(function):
+      if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        owners = [t.value for t in targets if isinstance(t, (ast.Subscript, ast.Attribute))]
+      elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS):
+        owners = [node.func.value]
+      else:
+        continue
+      state |= {o.id for o in owners
+                if isinstance(o, ast.Name) and o.id in top and o.id not in local}
+  return state
 
 
 def test_state_between_stages_lives_in_the_cache_module():
-  """Module-level weak dictionaries and sets (state one stage leaves for another) and `global`
-  statements are in `cache.py` alone (issue 39 item 2)."""
+  """Module-level state of any kind (a mutable container bound at a module's top, a module name
+  mutated from a function, a `global` statement) is `cache.py`'s weak containers alone, or one
+  justified in `_MODULE_STATE` (issue 39 item 2, issue 48)."""
   held = re.compile(r"^\w+\s*(:[^=]*)?=\s*weakref\.Weak|^\s+global\s")
   outside = [f"{path.relative_to(ROOT)}:{number}"
              for name, path in _modules().items() if name != "tfdp_variants.cache"
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if held.search(line)]
   assert not outside, outside
+  state = {name: _module_state(path) for name, path in _modules().items()
+           if name != "tfdp_variants.cache"}
+  assert {name: names for name, names in state.items() if names} == _MODULE_STATE
+  assert _module_state(ROOT / "cache.py") <= {
+      name for name, value in vars(__import__("tfdp_variants.cache").cache).items()
+      if type(value).__module__ in ("weakref", "_weakrefset") or name == "LOOP_BINDERS"}
 
 
 # What `import tfdp_variants` changes in Keras and TF, counted in a fresh process: the owners whose

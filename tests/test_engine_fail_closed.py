@@ -357,8 +357,8 @@ def _break_the_bias_rule(monkeypatch) -> None:
   from tfdp_variants.per_example import rules  # pylint: disable=import-outside-toplevel
   factor = rules.factor
 
-  def wrong(use, grad, m, var):
-    f = factor(use, grad, m, var)
+  def wrong(use, grad, m, var, an):
+    f = factor(use, grad, m, var, an)
     if f.rule == "rowsum":
       f.g = tf.concat([f.g[:1] * 2.0, f.g[1:]], 0)
     return f

@@ -242,7 +242,7 @@ def test_batch_axis_through_new_axes_and_computed_tile_multiples():
     cases = [x[:, None], x[None], x[None, :, 0], x[:, :, None, 1], x[None, None], x[:, 1],
              x[0], x[1:], x[::2], x[..., None],
              tf.tile(x, tf.stack([1, n, 1])), tf.tile(x, tf.stack([n, 1, 1]))]
-    results.append([trace.batch_axis(t) for t in cases])
+    results.append([trace.DEFAULT.batch_axis(t) for t in cases])
     return x
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([4, 3, 2]), tf.TensorSpec([], tf.int32))
@@ -267,7 +267,7 @@ def test_time_major_rows_are_regrouped_only_when_every_input_is_time_major():
              tf.reshape(out, [-1, 3, 5]), tf.reshape(out, [3, -1, 5, 1]),
              tf.reshape(squeezed, [3, -1, 2]), tf.reshape(squeezed, [1, 3, 1, -1, 2]),
              tf.reshape(squeezed, [-1, 3, 2]), tf.reshape(out, [6, -1, 5])]
-    results.append([trace.batch_axis(t) for t in cases])
+    results.append([trace.DEFAULT.batch_axis(t) for t in cases])
     return x
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([None, 3, 2]))
@@ -311,7 +311,7 @@ def test_zeros_of_the_batch_size_are_batched():
     n, w = tf.shape(x), tf.ones([5, 3])
     cases = [tf.zeros([n[0], 3]), tf.zeros([3, n[0]]), tf.ones([n[-3], 2]), tf.zeros([n[1], 3]),
              tf.zeros([n[0], n[0]]), tf.zeros([n[0] * 2, 3]), tf.zeros([tf.shape(w)[0], 3])]
-    results.append([trace.batch_axis(t) for t in cases])
+    results.append([trace.DEFAULT.batch_axis(t) for t in cases])
     return x
 
   tf.function(axes).get_concrete_function(tf.TensorSpec([None, 3, 2]))

@@ -27,19 +27,8 @@ PREFLIGHT_PASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 LOOP_BINDERS: list = []
 # A model's class -> the class `stack.binding.bind` gives it when compiled with a DP optimizer.
 DP_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> {TensorList flow name: element dtype}: the lists a `recurrence` loop reads every row of.
-LISTS_READ_WHOLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-# graph -> the batch size of a step that closes over its batch: its captured tensors and constants
-# of that many rows are data in the rules' proofs (`trace.data_from_constants`).
-CONSTANT_DATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> {analysis mode: {tensor name: info}}: `trace`'s memo of the batch-axis analyses.
-ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# graph -> names of the tensors the DP mechanism released (`trace.mark_released`, written by
-# `PrivateStep._release`): post-processing of a release mixes no example.
-RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# (function, dtype, static shape) -> the structure of the function's graph (`graph.computes`): the
-# reference computations (a ragged argument's row ids) traced once; keyed by no graph, so a plain
-# dictionary of a few entries.
-REFERENCE_STRUCTURES: dict = {}
+# graph -> its `per_example.graph_state.GraphAnalysis`: the analysis' memo, the tensors the DP
+# mechanism released, the batch a step closes over, the lists a recurrence loop reads whole.
+GRAPH_ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -25,6 +25,7 @@ from tfdp_variants.per_example import rules
 from tfdp_variants.per_example.gradients import PerExampleGradients
 from tfdp_variants.per_example import self_check as self_check_lib
 from tfdp_variants.per_example import trace
+from tfdp_variants.per_example.ops import registry as registry_lib
 
 def as_tf_variable(var) -> tf.Variable:
   """`var` if it is a `tf.Variable`, else the `tf.Variable` it wraps as `.value` (a Keras 3
@@ -53,11 +54,12 @@ def microbatch_losses(loss: tf.Tensor,
 
 
 def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
-              variables: Sequence[tf.Variable]) -> list[F.Dense]:
+              variables: Sequence[tf.Variable], an: trace.Analysis) -> list[F.Dense]:
   """Exact per-microbatch gradients: a Jacobian of the microbatch losses.
 
   Vectorized with `tf.vectorized_map`, unless the forward pass holds an op that pfor converts
-  wrongly (its `OpRule.pfor_wrong` says so, e.g. a grouped convolution): then one `tf.gradients`
+  wrongly (its `OpRule.pfor_wrong` says so, e.g. a grouped convolution, or no family registered
+  it): then one `tf.gradients`
   per microbatch
   in a while loop (exact, M backward passes).
   """
@@ -78,7 +80,7 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
             for g, v in zip(grads, variables)]
 
   rows = tf.range(m if size is not None else tf.maximum(m, 1))
-  if rules.pfor_unsafe(mb_losses):
+  if rules.pfor_unsafe(mb_losses, an.registry):
     signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
     grads = tf.map_fn(one, rows, fn_output_signature=signature)
   else:
@@ -112,23 +114,23 @@ EAGER_TENSOR = (
     "model.trainable_variables): it is traced for the analysis and run eagerly.")
 
 
-def _analyse(loss_fn: Callable[[], tf.Tensor]) -> None:
+def _analyse(loss_fn: Callable[[], tf.Tensor], an: trace.Analysis) -> None:
   """Refuses what the graph route refuses, for a loss computed eagerly by `loss_fn`: traced (not
   run) in a `tf.function`, its graph gets the graph route's analysis (`self_check.refuse_in_loss`;
   the batch is what the function closes over, as in a `tf.function` loop that does)."""
   loss = tf.function(loss_fn).get_concrete_function().structured_outputs
   validation.check_per_example_loss(loss)
-  self_check_lib.refuse_in_loss(loss)
+  self_check_lib.refuse_in_loss(loss, an)
 
 
 def _eager(loss: tf.Tensor, variables: list[tf.Variable], num_microbatches: Optional[int],
            tape: Optional[tf.GradientTape], loss_fn: Optional[Callable[[], tf.Tensor]],
-           checked: bool) -> PerExampleGradients:
+           checked: bool, an: trace.Analysis) -> PerExampleGradients:
   """The Jacobian from `tape`: one backward pass per microbatch in a loop traced once (exact, no
   pfor, and the tape is used once), after the graph route's analysis of `loss_fn`'s trace, or of
   a synthetic batch of the same model (`checked`); a Tensor loss alone is refused."""
   if loss_fn is not None:
-    _analyse(loss_fn)
+    _analyse(loss_fn, an)
   elif not checked:
     raise ValueError(EAGER_TENSOR)
   if tape is None:
@@ -200,7 +202,7 @@ def _gradients(y: tf.Tensor, xs: list[tf.Tensor], forward: set,
       del op.skip_input_indices
 
 
-def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F.Factor:
+def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread, an) -> F.Factor:
   """One variable's factor: unread (zero), the fallback, or its uses' rules."""
   if handle is None:
     return next(unread)
@@ -208,14 +210,15 @@ def _variable_factor(var, handle, var_uses, grads, m, slow_factors, unread) -> F
     return next(slow_factors)
   # None: tf.gradients proves no path to the loss.
   reached = [u for u in var_uses if grads[u.output.name] is not None]
-  return rules.join(reached, [rules.factor(u, grads[u.output.name], m, var) for u in reached], m,
-                    var)
+  return rules.join(reached, [rules.factor(u, grads[u.output.name], m, var, an) for u in reached],
+                    m, var)
 
 
 def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
             num_microbatches: Optional[int] = None, tape: Optional[tf.GradientTape] = None,
             self_check: bool = True, checked_rules: Optional[Sequence[str]] = None,
-            loss_fn: Optional[Callable[[], tf.Tensor]] = None) -> PerExampleGradients:
+            loss_fn: Optional[Callable[[], tf.Tensor]] = None,
+            registry: Optional[registry_lib.Registry] = None) -> PerExampleGradients:
   """Per-microbatch gradients of `variables` from per-example `loss` (shape (B,) or (B, ...)).
 
   In a graph (Keras' `fit`, any `tf.function`, nested ones and loops included) standard ops take
@@ -237,13 +240,15 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
       (`preflight`): the in-step check is skipped only if this trace takes exactly these rules.
       Eagerly, their presence says that the check, and the analysis with it, passed.
     loss_fn: eagerly, the function that computed `loss` under `tape`, traced for the analysis.
+    registry: the op rules of the analysis (`ops/registry.py`); None: every family of the package.
   """
   variables = [as_tf_variable(v) for v in variables]
+  an = trace.DEFAULT if registry is None else trace.Analysis(registry)
   if tf.executing_eagerly():
-    return _eager(loss, variables, num_microbatches, tape, loss_fn, checked_rules is not None)
+    return _eager(loss, variables, num_microbatches, tape, loss_fn, checked_rules is not None, an)
 
   mb_losses, m = microbatch_losses(loss, num_microbatches)
-  self_check_lib.refuse_in_loss(loss)
+  self_check_lib.refuse_in_loss(loss, an)
   # A batch of static size 0 (a noise-only step) has no microbatch to check on any step of its
   # trace; an empty batch of unknown size skips the check at run time (`self_check`).
   self_check = self_check and mb_losses.shape[0] != 0
@@ -253,7 +258,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
     return PerExampleGradients(variables, _one_example(mb_losses, graph, handles, variables),
                                m).finite_only()
   forward = set(trace.ancestors(mb_losses))
-  uses = [None if h is None else rules.find_uses(h, forward) for h in handles]
+  uses = [None if h is None else rules.find_uses(h, forward, an) for h in handles]
   fast = [u for vu in uses if vu for u in vu]
   # A check that will run whatever rules the step takes makes its exact gradients first.
   first = (self_check_lib.exact_first(mb_losses, handles, variables, early=True)
@@ -262,7 +267,7 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
                    _gradients(tf.reduce_sum(mb_losses), [u.output for u in fast], forward,
                               after=first.token if first else [])))
   slow = [v for v, h, vu in zip(variables, handles, uses) if h is not None and vu is None]
-  slow_factors = iter(_fallback(mb_losses, m, graph, slow) if slow else [])
+  slow_factors = iter(_fallback(mb_losses, m, graph, slow, an) if slow else [])
   unread = iter(_unread(graph, m, [v for v, h in zip(variables, handles) if h is None]))
 
   factors = []
@@ -272,7 +277,8 @@ def compute(loss: tf.Tensor, variables: Sequence[tf.Variable],
   after = [mb_losses] + (first.token if first else [])
   for var, handle, var_uses in zip(variables, handles, uses):
     with tf.control_dependencies(after):
-      factors.append(_variable_factor(var, handle, var_uses, grads, m, slow_factors, unread))
+      factors.append(_variable_factor(var, handle, var_uses, grads, m, slow_factors, unread,
+                                             an))
   result = PerExampleGradients(variables, factors, m).finite_only()
   if not self_check or (checked_rules is not None and
                         tuple(result.rules) == tuple(checked_rules)):

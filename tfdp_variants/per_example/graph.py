@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Optional
 
 import tensorflow as tf
 
-from tfdp_variants import cache
+from tfdp_variants.per_example import graph_state
 
 def captured_handle(graph: tf.Graph, var: tf.Variable) -> Optional[tf.Tensor]:
   """The tensor through which `graph` reads `var`'s resource handle; None if it does not read it.
@@ -166,14 +166,15 @@ def computes(t: tf.Tensor, fn: Callable[[tf.Tensor], tf.Tensor], source: tf.Tens
   wiring) as `fn` traced on an argument of `source`'s dtype and static shape: a proof for every
   value of `source`, as sound as `fn` itself."""
   key = (fn, source.dtype, tuple(source.shape.as_list()) if source.shape.rank is not None else None)
-  if key not in cache.REFERENCE_STRUCTURES:
+  references = graph_state.of(t.graph).reference_structures
+  if key not in references:
     graph = tf.function(fn, autograph=False).get_concrete_function(
         tf.TensorSpec(source.shape, source.dtype)).graph
     out = graph.outputs[0]
     while out.op.type == "Identity":  # The function's own output identity.
       out = out.op.inputs[0]
-    cache.REFERENCE_STRUCTURES[key] = structure(out, graph.inputs[0], {})
-  return structure(t, source, {}) == cache.REFERENCE_STRUCTURES[key]
+    references[key] = structure(out, graph.inputs[0], {})
+  return structure(t, source, {}) == references[key]
 
 
 def capture_sources(graph: tf.Graph) -> dict[str, tf.Tensor]:

@@ -1,16 +1,22 @@
 """The engine's interfaces, declared: what a factor form answers (`factors.Factor`: Outer, RowSum,
-Gather, Columns, GroupedOuter, Dense) and what the per-example gradients answer the algorithms
-(`PerExampleGradients`, of a scaled loss too: `loss_scale`). `tests/test_architecture.py` checks
-that every factor class and both gradients classes have these methods with these parameters.
+Gather, Columns, GroupedOuter, Dense), what the per-example gradients answer the algorithms
+(`PerExampleGradients`, of a scaled loss too: `loss_scale`), and what the op registry's rules ask
+of the analysis that calls them (`Analysis`: `trace.Analysis`). `tests/test_architecture.py`
+checks that every factor class, both gradients classes and the analysis have these methods with
+these parameters.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import tensorflow as tf
 
+from tfdp_variants.per_example.batch_info import Info
 from tfdp_variants.per_example.factors.base import OddFunction
+
+if TYPE_CHECKING:
+  from tfdp_variants.per_example.ops.registry import Registry
 
 
 class Factor(Protocol):
@@ -79,3 +85,28 @@ class Gradients(Protocol):
   def elementwise_norms(self, f: OddFunction,
                         chunk_size: Optional[int] = None) -> Optional[tf.Tensor]:
     """(M,) float64 ‖f(g_m)‖² over all variables (None under XLA)."""
+
+
+class Analysis(Protocol):
+  """The batch-axis analysis as the op registry's rules call it back (`OpRule`'s structural hooks,
+  `FactorRule`'s match and factor): handed to them, so that no rule imports the analysis."""
+
+  registry: "Registry"  # The rules it analyses with (a rule may ask another kind's: `low_rank`).
+
+  def memo(self, graph: tf.Graph, mode: tuple) -> dict:
+    """The memo of `graph`'s analysis in `mode` ({tensor name: info}, "mode")."""
+
+  def analyse(self, t: tf.Tensor, memo: dict) -> Info:
+    """`t`'s info, memoized in `memo`."""
+
+  def batch_info(self, t: tf.Tensor) -> Info:
+    """Where `t`'s examples lie, in the rules' mode."""
+
+  def batch_axis(self, t: tf.Tensor) -> Optional[int]:
+    """The axis of `t` that holds the examples, if proven."""
+
+  def merged_rows(self, t: tf.Tensor) -> Optional[tuple[int, ...]]:
+    """The static sizes merged before the examples into `t`'s axis 0, if any."""
+
+  def ragged_rows(self, t: tf.Tensor) -> Optional[list[tf.Tensor]]:
+    """The row splits that partition `t`'s axis 0 (a ragged argument's rows) into examples."""

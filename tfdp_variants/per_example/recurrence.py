@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_state
 
 from tfdp_variants import cache
+from tfdp_variants.per_example import graph_state
 from tfdp_variants.xla import in_xla
 
 _EMPTY_LISTS = threading.local()  # `lists_read_whole` is on in this thread.
@@ -96,7 +97,7 @@ def _loop(probes: list[tf.Tensor], states: list[tf.Tensor], kernels: list, cell:
   lists = lambda: tf.TensorArray(states[0].dtype, size=steps, element_shape=states[0].shape)
   probes = [rows(p) for p in probes]
   sequence = None if sequence is None else rows(sequence)
-  cache.LISTS_READ_WHOLE.setdefault(tf.compat.v1.get_default_graph(), {}).update(
+  graph_state.of(tf.compat.v1.get_default_graph()).lists_read_whole.update(
       {x.flow.name: x.dtype for x in [*probes, sequence] if x is not None})
   mask = None if mask is None else rows(mask)
   # Each product's own U (a kernel used twice enters twice): one use per loop input.
@@ -163,7 +164,7 @@ def _empty_or_zeros(zeros_like: Callable) -> Callable:
 
   def empty_or_zeros(op: tf.Operation, index: int) -> tf.Tensor:
     listed = op.inputs[index] if op.type in ("While", "StatelessWhile") else None
-    dtype = None if listed is None else cache.LISTS_READ_WHOLE.get(op.graph, {}).get(listed.name)
+    dtype = None if listed is None else graph_state.of(op.graph).lists_read_whole.get(listed.name)
     if dtype is None or not getattr(_EMPTY_LISTS, "on", False) or in_xla(op.graph):
       return zeros_like(op, index)
     out = op.outputs[index]

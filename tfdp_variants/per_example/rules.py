@@ -1,67 +1,71 @@
 """The uses of a variable that have a per-example rule, and the factor each gives.
 
 A rule reads one op that uses a variable: the op's input rows, grouped by example, and the gradient
-of its output give the variable's per-example gradients as a factor (`factors/`). A use matches
-only when `trace.batch_axis` proves the op's input has the examples on axis 0 (a dilated conv's
-SpaceToBatchND: blocks of them, `ops/conv.py`; MatMul, BiasAdd and gathers also take time-major
-data, its examples' axis moved first); every other use sends its variable to the exact fallback.
-The rules themselves are the factor rules of the op registry (`ops/registry.py`), tried in
-`registry.FACTOR_ORDER`; adding an op or a layer is one entry in its family's module. A use may
-read one block of its variable (a Split, Unpack or constant unit-stride StridedSlice of the read,
-`Slot`): its rule gives the block's factor as a variable's of the block's shape, and `join` puts
-the blocks in place.
+of its output give the variable's per-example gradients as a factor (`factors/`). A use matches only
+when the analysis (`trace.Analysis.batch_axis`) proves the op's input has the examples on axis 0 (a
+dilated conv's SpaceToBatchND: blocks of them, `ops/conv.py`; MatMul, BiasAdd and gathers also take
+time-major data, its examples' axis moved first); every other use sends its variable to the exact
+fallback. The rules themselves are the factor rules of the analysis' op registry
+(`ops/registry.py`), tried in their priority order; adding an op or a layer is one entry in its
+family's module, as is what an op does between a variable's read and its use (`OpRule.reshapes`,
+`split_value`, `fixed`). A use may read one block of its variable (a Split, Unpack or constant
+unit-stride StridedSlice of the read, `Slot`): its rule gives the block's factor as a variable's of
+the block's shape, and `join` puts the blocks in place.
 
 `pfor_unsafe` finds the ops whose `tf.vectorized_map` (pfor) conversion is wrong
-(`OpRule.pfor_wrong`, found by comparing vectorized Jacobians with a loop of `tf.gradients` over Keras' layers); a
-fallback whose backward pass meets one runs as a loop instead.
+(`OpRule.pfor_wrong`, found by comparing vectorized Jacobians with a loop of `tf.gradients` over
+Keras' layers, and every op no family registered); a fallback whose backward pass meets one runs as
+a loop instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import registry
 
 
 @tf.autograph.experimental.do_not_convert
 def match(op: tf.Operation, var_input: tf.Tensor, forward: set[tf.Operation],
-          sign: int = 1) -> Optional["Use"]:
-  """The use of a variable that a rule covers (None: fallback); `forward` the ops the loss
-  depends on, `sign` as in `Use`."""
-  for kind, rule in registry.factor_rules().items():
+          an: interfaces.Analysis, sign: int = 1) -> Optional["Use"]:
+  """The use of a variable that a rule of `an`'s registry covers (None: fallback); `forward` the
+  ops the loss depends on, `sign` as in `Use`."""
+  for kind, rule in an.registry.factor_rules().items():
     if rule.proves:
-      proof = rule.match(op, var_input, forward)
+      proof = rule.match(op, var_input, forward, an)
       if proof is not None:
         return Use(kind, op, sign, proof)
-    elif rule.match(op, var_input) is not None:
+    elif rule.match(op, var_input, an) is not None:
       return Use(kind, op, sign)
   return None
 
 
 @tf.autograph.experimental.do_not_convert
-def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def factor(use: "Use", grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
+           an: interfaces.Analysis) -> F.Factor:
   """The factor of one use, from the op's inputs and the gradient `grad` of `use.output`,
   negated for a negated read (`Use.sign`: every rule is linear in the gradient)."""
   grad = grad if use.sign > 0 else -grad
-  rule = registry.factor_rules()[use.kind]
+  rule = an.registry.factor_rule(use.kind)
   if use.slot is not None:  # The use reads one block of the variable: a variable of its own.
     var = tf.TensorSpec(use.slot.block(var.shape), var.dtype)
   if use.perm is not None:  # The use reads transpose(W, perm): its factor, permuted back.
     shape = tuple(var.shape)
     inner = factor(dataclasses.replace(use, sign=1, perm=None), grad, m,
-                   tf.TensorSpec([shape[p] for p in use.perm], var.dtype))
+                   tf.TensorSpec([shape[p] for p in use.perm], var.dtype), an)
     return F.Permuted(inner, tuple(use.perm.index(i) for i in range(len(shape))), shape)
   if not use.transposed:
-    return rule.factor(use.proof if rule.proves else use.op, grad, m, var)
+    return rule.factor(use.proof if rule.proves else use.op, grad, m, var, an)
   # The op reads Wᵀ: Wᵀ's factor Σ_t a_tᵀ d_t, transposed back, is W's with a and d swapped.
-  f = rule.factor(use.op, grad, m, tf.TensorSpec(tuple(var.shape)[::-1], var.dtype))
+  f = rule.factor(use.op, grad, m, tf.TensorSpec(tuple(var.shape)[::-1], var.dtype), an)
   if type(f) is not F.Outer or any(x is not None for x in (f.keep, f.blocks, f.patches,
                                                            f._materialized)):
     raise ValueError(f"A transposed read of {var.name} took rule {use.kind}, whose factor is not a "
@@ -95,16 +99,16 @@ def join(uses: list["Use"], parts: list[F.Factor], m: tf.Tensor, var: tf.Variabl
 
 
 @tf.autograph.experimental.do_not_convert
-def pfor_unsafe(t: tf.Tensor) -> bool:
-  """Whether the computation of `t` (function bodies included) meets an op whose rule says pfor
-  converts it wrongly (`OpRule.pfor_wrong`)."""
+def pfor_unsafe(t: tf.Tensor, rules: registry.Registry) -> bool:
+  """Whether the computation of `t` (function bodies included) meets an op whose rule in `rules`
+  says pfor converts it wrongly (`OpRule.pfor_wrong`; an op of no rule: `registry.NO_RULE`)."""
   seen, stack = set(), [t.op]
   while stack:
     op = stack.pop()
     if op in seen:
       continue
     seen.add(op)
-    wrong = registry.op_rule(op.type).pfor_wrong
+    wrong = rules.op_rule(op.type).pfor_wrong
     if wrong is not None and wrong(op):
       return True
     for body in G.function_bodies(op):
@@ -113,12 +117,6 @@ def pfor_unsafe(t: tf.Tensor) -> bool:
       stack.extend(body.get_operations())
     stack.extend(i.op for i in op.inputs)
   return False
-
-
-# Ops between a variable read and its use that only change shape or dtype: the per-example gradient
-# of the used tensor, reshaped to the variable's shape, is the variable's. A `Neg` on the way (PReLU
-# computes -alpha · relu(-x)) flips its sign (`Use.sign`).
-_PASS_THROUGH = frozenset({"Identity", "ExpandDims", "Reshape", "Squeeze", "Cast"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,23 +138,10 @@ def _static_ints(t: tf.Tensor) -> Optional[list[int]]:
   return None if value is None else [int(v) for v in value.reshape(-1)]
 
 
-# Split ops -> the index of the input they split (the others give its axis, sizes or bounds).
-_SPLIT_VALUE = {"Unpack": 0, "Split": 1, "SplitV": 0, "StridedSlice": 0, "Slice": 0,
-                "GatherV2": 0}
-
-
-# Ops `_fixed_value` evaluates on fixed inputs (Keras' `take` maps negative ids with a select).
-_FIXED_OPS: dict[str, Callable] = {
-    "Identity": lambda x: x, "Less": np.less, "LessEqual": np.less_equal,
-    "Greater": np.greater, "GreaterEqual": np.greater_equal, "AddV2": np.add, "Add": np.add,
-    "Sub": np.subtract,
-    "ExpandDims": lambda x, axis: np.expand_dims(x, int(axis)),
-    "Reshape": lambda x, shape: np.reshape(x, shape)}
-
-
-def _fixed_value(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
+def _fixed_value(t: tf.Tensor, rules: registry.Registry, depth: int = 0) -> Optional[np.ndarray]:
   """`t`'s value if the graph fixes it: a constant, an eager tensor the graph captured (ViT's
-  position ids, built once by the layer; immutable), or a few ops of such values; else None."""
+  position ids, built once by the layer; immutable), or a few ops of such values (`OpRule.fixed`
+  in `rules`); else None."""
   value = tf.get_static_value(t)
   if value is not None or depth > 8:
     return value
@@ -165,22 +150,24 @@ def _fixed_value(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
     outer = next((e for e, i in getattr(t.graph, "captures", ()) if i is t), None)
     if outer is None or outer.dtype == tf.resource:
       return None
-    return outer.numpy() if not hasattr(outer, "graph") else _fixed_value(outer, depth + 1)
+    return outer.numpy() if not hasattr(outer, "graph") else _fixed_value(outer, rules, depth + 1)
   if op.type == "Cast":
-    value = _fixed_value(op.inputs[0], depth + 1)
+    value = _fixed_value(op.inputs[0], rules, depth + 1)
     return None if value is None else value.astype(t.dtype.as_numpy_dtype)
   if op.type in ("Select", "SelectV2") and t.shape.is_fully_defined():  # One branch taken.
-    cond = _fixed_value(op.inputs[0], depth + 1)
+    cond = _fixed_value(op.inputs[0], rules, depth + 1)
     branch = None if cond is None or cond.any() != cond.all() else op.inputs[2 - int(cond.all())]
-    value = None if branch is None else _fixed_value(branch, depth + 1)
+    value = None if branch is None else _fixed_value(branch, rules, depth + 1)
     return None if value is None else np.broadcast_to(value, t.shape.as_list())
-  if op.type not in _FIXED_OPS:
+  fixed = rules.op_rule(op.type).fixed
+  if fixed is None:
     return None
-  values = [_fixed_value(x, depth + 1) for x in op.inputs]
-  return None if any(v is None for v in values) else np.asarray(_FIXED_OPS[op.type](*values))
+  values = [_fixed_value(x, rules, depth + 1) for x in op.inputs]
+  return None if any(v is None for v in values) else np.asarray(fixed(*values))
 
 
-def _contiguous(op: tf.Operation, shape: tf.TensorShape) -> Optional[Slot]:
+def _contiguous(op: tf.Operation, shape: tf.TensorShape, rules: registry.Registry
+                ) -> Optional[Slot]:
   """The block a Slice of constant bounds (a learned position table cut to the sequence's length)
   or a GatherV2 of constant ids that run through consecutive rows (ViT's position ids, `arange`)
   reads of a variable of `shape`; None for any other."""
@@ -195,7 +182,7 @@ def _contiguous(op: tf.Operation, shape: tf.TensorShape) -> Optional[Slot]:
       return None
     axis = cut[0] if cut else 0
     return Slot(axis, begin[axis], size[axis])
-  ids = _fixed_value(op.inputs[1])
+  ids = _fixed_value(op.inputs[1], rules)
   if (ids is None or ids.size == 0 or _static_ints(op.inputs[2]) != [0]
       or op.get_attr("batch_dims") != 0):
     return None
@@ -205,17 +192,18 @@ def _contiguous(op: tf.Operation, shape: tf.TensorShape) -> Optional[Slot]:
   return Slot(0, ids[0], len(ids))
 
 
-def _slices(op: tf.Operation, tensor: tf.Tensor,
-            shape: tf.TensorShape) -> Optional[list[tuple[tf.Tensor, Slot]]]:
+def _slices(op: tf.Operation, tensor: tf.Tensor, shape: tf.TensorShape,
+            rules: registry.Registry) -> Optional[list[tuple[tf.Tensor, Slot]]]:
   """The outputs of a split or unit-stride slice `op` of `tensor`, the read of a variable of
   `shape`, each with the block it holds; None if `op` is none of these, reads `tensor` as
   anything but the value it splits, or its blocks are not constants."""
-  if (op.type not in _SPLIT_VALUE or not shape.is_fully_defined() or tensor.shape != shape
-      or [i for i, t in enumerate(op.inputs) if G.same(t, tensor)] != [_SPLIT_VALUE[op.type]]):
+  split = rules.op_rule(op.type).split_value
+  if (split is None or not shape.is_fully_defined() or tensor.shape != shape
+      or [i for i, t in enumerate(op.inputs) if G.same(t, tensor)] != [split]):
     return None
   rank = shape.rank
   if op.type in ("Slice", "GatherV2"):
-    block = _contiguous(op, shape)
+    block = _contiguous(op, shape, rules)
     return None if block is None else [(op.outputs[0], block)]
   if op.type == "Unpack":
     axis = op.get_attr("axis") % rank
@@ -256,21 +244,11 @@ def _slices(op: tf.Operation, tensor: tf.Tensor,
   return [(op.outputs[0], Slot(axis, ranges[axis].start, len(ranges[axis])))]
 
 
-# Rules whose factor reads the variable's shape only as its number of elements: they take a block
-# of it through any reshape. Every other rule takes a block only as the op reads it.
-_ANY_SHAPE = frozenset({"bias_add", "broadcast", "expand"})
-
-
-# Rules whose factor is a plain `Outer` of the op's rows, which a 2-D variable's transpose
-# (x·Wᵀ: a Transpose of its read, Keras 3's EinsumDense "abc,dc->abd") may take, swapped.
-_TRANSPOSABLE = frozenset({"matmul", "batch_matmul", "einsum"})
-
-
 @dataclasses.dataclass(frozen=True)
 class Use:
   """One op that uses a variable and has a per-example rule.
 
-  kind: a factor kind of the registry (`registry.FACTOR_ORDER`: "matmul", "zero_matmul", "conv",
+  kind: a factor kind of the registry (`FactorRule`: "matmul", "zero_matmul", "conv",
   "bias_add", "gather", "gather_v2", ...); `op` the op; `output` the tensor whose gradient the
   rule needs (the op's output, or a proving rule's probe); `sign` -1 when the op reads the variable negated (an odd number of `Neg`s between them): every rule is
   linear in the output gradient, so the variable's factor is the rule's for the negated gradient.
@@ -281,7 +259,7 @@ class Use:
   sign: int = 1
   proof: Optional[object] = None  # A proving rule's proof (`FactorRule.proves`).
   slot: Optional[Slot] = None  # The block of the variable the op reads, if not all of it.
-  transposed: bool = False  # The op reads the 2-D variable's transpose (`_TRANSPOSABLE`).
+  transposed: bool = False  # The op reads the 2-D variable's transpose (`transposable` rules).
   perm: Optional[tuple[int, ...]] = None  # The op reads transpose(W, perm), W of rank 3 or more.
 
   @property
@@ -316,7 +294,8 @@ def _shift_sign(op: tf.Operation, tensor: tf.Tensor) -> Optional[int]:
   return -1 if op.type == "Sub" and k[0] == 1 else 1
 
 
-def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShape, sign: int = 1,
+def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], an: interfaces.Analysis,
+             shape: tf.TensorShape, sign: int = 1,
              slot: Optional[Slot] = None, transposed: bool = False,
              perm: Optional[tuple[int, ...]] = None) -> Optional[list[Use]]:
   """Rule-bearing uses of a read of a variable of `shape` (negated if `sign` is -1; its block
@@ -327,38 +306,38 @@ def _uses_of(tensor: tf.Tensor, forward: set[tf.Operation], shape: tf.TensorShap
     if op not in forward:
       continue
     blocks = (None if slot is not None or transposed or perm is not None
-              else _slices(op, tensor, shape))
+              else _slices(op, tensor, shape, an.registry))
     permuted = None if slot is not None or transposed or perm is not None else _permutation(
         op, tensor)
     shift = _shift_sign(op, tensor)
     if transposed and op.type not in ("Identity", "Cast", "Neg"):  # Only products of Wᵀ.
-      use = match(op, tensor, forward, sign)
+      use = match(op, tensor, forward, an, sign)
       sub = ([dataclasses.replace(use, transposed=True)]
-             if use is not None and use.kind in _TRANSPOSABLE else None)
+             if use is not None and an.registry.factor_rule(use.kind).transposable else None)
     elif slot is None and not transposed and perm is None and _swaps(op, tensor):
       # Wᵀ read by products (their rules take it transposed), else by other rules as a
       # permutation (Qwen3.5's convolution kernel: Wᵀ expanded, then convolved).
-      sub = (_uses_of(op.outputs[0], forward, shape, sign, transposed=True)
-             or _uses_of(op.outputs[0], forward, tf.TensorShape([shape[1], shape[0]]), sign,
+      sub = (_uses_of(op.outputs[0], forward, an, shape, sign, transposed=True)
+             or _uses_of(op.outputs[0], forward, an, tf.TensorShape([shape[1], shape[0]]), sign,
                          perm=(1, 0)))
     elif permuted is not None:
-      sub = _uses_of(op.outputs[0], forward, tf.TensorShape([shape[i] for i in permuted]), sign,
-                     perm=permuted)
-    elif op.type in _PASS_THROUGH or op.type == "Neg" or shift is not None:
+      sub = _uses_of(op.outputs[0], forward, an, tf.TensorShape([shape[i] for i in permuted]),
+                     sign, perm=permuted)
+    elif an.registry.op_rule(op.type).reshapes or op.type == "Neg" or shift is not None:
       flip = -1 if op.type == "Neg" else (shift or 1)
-      sub = _uses_of(op.outputs[0], forward, shape, flip * sign, slot, transposed, perm)
+      sub = _uses_of(op.outputs[0], forward, an, shape, flip * sign, slot, transposed, perm)
     elif blocks is not None:
       sub = []
       for out, block in blocks:
-        part = _uses_of(out, forward, shape, sign, block)
+        part = _uses_of(out, forward, an, shape, sign, block)
         if part is None:
           return None
         sub.extend(part)
     else:
-      use = match(op, tensor, forward, sign)
+      use = match(op, tensor, forward, an, sign)
       if use is not None and slot is not None:
-        use = (None if use.kind not in _ANY_SHAPE and tensor.shape != slot.block(shape) else
-               dataclasses.replace(use, slot=slot))
+        whole = an.registry.factor_rule(use.kind).any_shape or tensor.shape == slot.block(shape)
+        use = dataclasses.replace(use, slot=slot) if whole else None
       if use is not None and perm is not None:
         use = dataclasses.replace(use, perm=perm)
       sub = None if use is None else [use]
@@ -378,7 +357,8 @@ def _disjoint(uses: list[Use]) -> bool:
           all(b0 + n0 <= b1 for (b0, n0), (b1, _) in zip(spans, spans[1:])))
 
 
-def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Use]]:
+def find_uses(handle: tf.Tensor, forward: set[tf.Operation], an: interfaces.Analysis
+              ) -> Optional[list[Use]]:
   """Every use of a variable, read through `handle` (`graph.captured_handle`), if all have per-example
   rules ([] if the loss never reads it: its gradient is zero); None otherwise (fallback).
 
@@ -391,9 +371,9 @@ def find_uses(handle: tf.Tensor, forward: set[tf.Operation]) -> Optional[list[Us
     if op not in forward:
       continue
     if op.type == "ReadVariableOp":
-      sub = _uses_of(op.outputs[0], forward, op.outputs[0].shape)
+      sub = _uses_of(op.outputs[0], forward, an, op.outputs[0].shape)
     else:
-      use = match(op, handle, forward)
+      use = match(op, handle, forward, an)
       sub = None if use is None else [use]
     if sub is None:
       return None

@@ -22,15 +22,15 @@ inner products (NoisyGradient's projected noise), which `tests/test_per_example.
 materialized gradients; variables whose gradient came from a tape loop (exact, no pfor).
 
 Mixing is refused statically, at trace time, on the graph's structure, never on values:
-`refuse_in_loss` runs `refuse_batch_statistics` (batch normalization in training mode among the
-ops the loss depends on, in `tf.function`s and eagerly alike) and `trace.loss_info`, which proves
-that each example's loss depends on its example alone, or finds the op that mixes examples (behind
-`tf.stop_gradient`, on integer ids, through a value assigned to a variable the loss reads, on data
-closed over as constants) and raises naming it. A loss it cannot prove per example (an op without
-an axis rule, Python code, rows it cannot trace to the step's data) is refused too, naming the op
-where the analysis lost the examples (issue 38): a test on values cannot see mixing on integer
-ids. So every loss the engine accepts is proven before the runtime check above is built, and the
-runtime check compares gradients only.
+`refuse_in_loss` runs `refuse_batch_statistics` (batch normalization in training mode among the ops
+the loss depends on, in `tf.function`s and eagerly alike) and `trace.Analysis.loss_info`, which
+proves that each example's loss depends on its example alone, or finds the op that mixes examples
+(behind `tf.stop_gradient`, on integer ids, through a value assigned to a variable the loss reads,
+on data closed over as constants) and raises naming it. A loss it cannot prove per example (an op
+without an axis rule, Python code, rows it cannot trace to the step's data) is refused too, naming
+the op where the analysis lost the examples (issue 38): a test on values cannot see mixing on
+integer ids. So every loss the engine accepts is proven before the runtime check above is built, and
+the runtime check compares gradients only.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import tensorflow as tf
 # No public API makes a variable in a retrace.
 from tensorflow.python.ops import resource_variable_ops
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import trace
 from tfdp_variants.per_example.gradients import PerExampleGradients
@@ -121,12 +122,12 @@ UNKNOWN = ("Cannot prove that each example's loss depends on that example alone:
            "keeps each example's values apart, report its type so that a rule can be added.")
 
 
-def refuse_in_loss(loss: tf.Tensor) -> None:
+def refuse_in_loss(loss: tf.Tensor, an: trace.Analysis = trace.DEFAULT) -> None:
   """Refuses, at trace time, a per-example `loss` (B, ...) whose examples the model mixes.
 
-  `refuse_batch_statistics` over the ops the loss depends on, then `trace.loss_info`: an op proven
+  `refuse_batch_statistics` over the ops the loss depends on, then `an.loss_info`: an op proven
   to mix examples raises a ValueError naming it and its layer; so does a loss the analysis cannot
-  prove per example (`trace.per_example_rows`: it lost the examples at an op it cannot follow,
+  prove per example (`batch_info.per_example_rows`: it lost the examples at an op it cannot follow,
   which the error names with the fix), whatever the inputs' dtype: a test on values could not
   see mixing on integer ids or behind `stop_gradient`. A loss that depends on no example
   is analysed again with the captured tensors and constants of B rows (and fixed windows of B
@@ -137,21 +138,21 @@ def refuse_in_loss(loss: tf.Tensor) -> None:
   may look mixing.
   """
   refuse_batch_statistics(trace.ancestors(loss))
-  info, constants = trace.loss_info(loss), None
-  if info == trace.NO_BATCH:
+  info, constants = an.loss_info(loss), None
+  if info == B.NO_BATCH:
     constants = loss.shape[0]
-    info = trace.loss_info(loss, constants)
-    if info == trace.NO_BATCH:
+    info = an.loss_info(loss, constants)
+    if info == B.NO_BATCH:
       raise ValueError(NO_DATA.format(loss.shape[0] or "B"))
     trace.data_from_constants(loss.graph, constants)  # The rules' proofs likewise.
-  if trace.carried(info):
+  if an.carried(info):
     raise ValueError(CARRIED.format(info.describe()))
   # One example mixes with no other in its step; only values carried from earlier steps count.
   if not trace.one_example(loss):
-    if isinstance(info, trace.Mixed):
+    if isinstance(info, B.Mixed):
       raise ValueError(MIXING.format(info.describe()))
-    if not trace.per_example_rows(info):
-      raise ValueError(UNKNOWN.format((info is None and trace.lost_at(loss, constants))
+    if not B.per_example_rows(info):
+      raise ValueError(UNKNOWN.format((info is None and an.lost_at(loss, constants))
                                       or f"the loss {loss.name} ({info})"))
 
 

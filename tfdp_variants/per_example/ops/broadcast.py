@@ -2,16 +2,16 @@
 batch axis; the rules of a weight broadcast against the examples sum over the axes it is broadcast
 along.
 
-`summed_rows` is the factor of every such weight: a normalization's scale, an attention bias
-(the "broadcast" rule, where the op broadcasts w itself), and a weight that a BroadcastTo or
-Tile expands to the batch before its op ("expand"): KerasHub's `PositionEmbedding` broadcasts its
-table, cut to the sequence's length, to its input's shape; ViT and DeiT tile their class and
-distillation tokens over the batch and concatenate them with the patches. The expanded tensor z
-holds one copy of w per example along its axis k, the batch size of a tensor whose examples lie
-on that axis; each op reading z keeps axis k the examples' (an elementwise op of its rank, or a
-concatenation along another axis; `trace.batch_axis` proves its output's), so z's slice b along k
-reaches example b's loss alone, and g_b = Σ over w's broadcast axes of dz[b] (the gradient of a
-parameter added to every example, as Opacus' grad samplers take ViT's class token and positions).
+`summed_rows` is the factor of every such weight: a normalization's scale, an attention bias (the
+"broadcast" rule, where the op broadcasts w itself), and a weight that a BroadcastTo or Tile expands
+to the batch before its op ("expand"): KerasHub's `PositionEmbedding` broadcasts its table, cut to
+the sequence's length, to its input's shape; ViT and DeiT tile their class and distillation tokens
+over the batch and concatenate them with the patches. The expanded tensor z holds one copy of w per
+example along its axis k, the batch size of a tensor whose examples lie on that axis; each op
+reading z keeps axis k the examples' (an elementwise op of its rank, or a concatenation along
+another axis; `trace.Analysis.batch_axis` proves its output's), so z's slice b along k reaches
+example b's loss alone, and g_b = Σ over w's broadcast axes of dz[b] (the gradient of a parameter
+added to every example, as Opacus' grad samplers take ViT's class token and positions).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import sizes as S
 
@@ -45,15 +46,16 @@ def summed_rows(d: tf.Tensor, dims: list[int], axis: int, m: tf.Tensor,
   return F.row_sum(tf.reshape(d, [m, -1, width]), tuple(var.shape))
 
 
-def _batch_entry(shape: tf.Tensor, k: int) -> bool:
+def _batch_entry(shape: tf.Tensor, k: int, an: interfaces.Analysis) -> bool:
   """Whether entry k of the shape vector `shape` is the number of examples: `Shape(x)[j]` of an x
   whose examples lie on axis j (`ops/sizes.py`: `Shape(x)`, a Pack of Keras' `ops.shape(x)` of an
   unknown batch size)."""
   dim = S.entry(shape, k, (), {}).dim
-  return dim is not None and trace.batch_axis(dim[0]) == dim[1]
+  return dim is not None and an.batch_axis(dim[0]) == dim[1]
 
 
-def _examples_kept(z: tf.Tensor, k: int, readers: list[tf.Operation], sized: bool) -> bool:
+def _examples_kept(z: tf.Tensor, k: int, readers: list[tf.Operation], sized: bool,
+                   an: interfaces.Analysis) -> bool:
   """Whether each op in `readers` (those reading `z` among the ops the loss depends on) keeps z's
   axis k the examples' axis of its output: a concatenation along another axis, or an
   elementwise op (`_READERS`) of z's rank where z is not broadcast along k (`sized`: z's size
@@ -62,9 +64,9 @@ def _examples_kept(z: tf.Tensor, k: int, readers: list[tf.Operation], sized: boo
   batch: a Tile of a new axis, then a reshape merging it away)."""
   for op in readers:
     out = op.outputs[0]
-    if op.type == "Reshape" and sized and trace.batch_axis(out) is not None:
+    if op.type == "Reshape" and sized and an.batch_axis(out) is not None:
       continue  # z of the batch's size on k, reshaped keeping each example's rows (`ops/layout`).
-    if out.shape.rank != z.shape.rank or trace.batch_axis(out) != k:
+    if out.shape.rank != z.shape.rank or an.batch_axis(out) != k:
       return False
     if op.type == "ConcatV2":
       axis = G.constant_value(op.inputs[-1])
@@ -80,7 +82,7 @@ _READERS = frozenset({"AddV2", "Add", "Sub", "Mul"})
 
 
 def expand_use(op: tf.Operation, var_input: tf.Tensor,
-               forward: set[tf.Operation]) -> Optional["Expanded"]:
+               forward: set[tf.Operation], an: interfaces.Analysis) -> Optional["Expanded"]:
   """A BroadcastTo or Tile of w = `var_input` (of static shape, size 1 on axis k) to the batch on
   axis k, z read only by ops that keep k the examples' axis (Tile: every other multiple 1)."""
   if op.type not in ("BroadcastTo", "Tile") or not G.same(op.inputs[0], var_input):
@@ -90,8 +92,8 @@ def expand_use(op: tf.Operation, var_input: tf.Tensor,
   if (not readers or z.shape.rank is None or not w.shape.is_fully_defined()
       or w.shape.rank > z.shape.rank):
     return None
-  k = trace.batch_axis(z)  # A copy to the batch's size (`_copied_to_batch`), else as read.
-  k = trace.batch_axis(readers[0].outputs[0]) if k is None else k
+  k = an.batch_axis(z)  # A copy to the batch's size (`_copied_to_batch`), else as read.
+  k = an.batch_axis(readers[0].outputs[0]) if k is None else k
   dims = [1] * (z.shape.rank - w.shape.rank) + w.shape.as_list()
   if k is None or k >= len(dims) or dims[k] != 1:
     return None
@@ -99,8 +101,8 @@ def expand_use(op: tf.Operation, var_input: tf.Tensor,
     multiples = tf.get_static_value(op.inputs[1], partial=True)
     if multiples is None or any(multiples[i] != 1 for i in range(len(dims)) if i != k):
       return None
-  sized = trace.batch_axis(z) == k or _batch_entry(op.inputs[1], k)
-  return Expanded(z, k) if _examples_kept(z, k, readers, sized) else None
+  sized = an.batch_axis(z) == k or _batch_entry(op.inputs[1], k, an)
+  return Expanded(z, k) if _examples_kept(z, k, readers, sized, an) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,10 @@ class Expanded:
   axis: int
 
 
-def expand_factor(use: Expanded, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSpec) -> F.RowSum:
+def expand_factor(use: Expanded, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSpec,
+                  an: interfaces.Analysis) -> F.RowSum:
   """g_b = Σ over w's broadcast axes of dz[b] (the module's doc)."""
+  del an
   w = use.probe.op.inputs[0]
   return summed_rows(grad, w.shape.as_list(), use.axis, m, var)
 
@@ -120,11 +124,11 @@ def expand_factor(use: Expanded, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSp
 FAMILY = registry.Family(__name__)
 
 
-def _broadcast_to(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _broadcast_to(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   rank, out_rank = G.rank(op.inputs[0]), G.rank(op.outputs[0])
   if ins[1].axis is not None or rank is None or out_rank is None:
     return None
-  return trace.Batch(ins[0].axis + out_rank - rank)
+  return B.Batch(ins[0].axis + out_rank - rank)
 
 
 def _fill_rows(op: tf.Operation) -> Optional[tuple[tf.Tensor, Optional[int], Optional[int]]]:
@@ -161,7 +165,8 @@ def _fill_rows(op: tf.Operation) -> Optional[tuple[tf.Tensor, Optional[int], Opt
 _SIGNED_OPS = ("Mul", "AddV2", "Add", "Sub")
 
 
-def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.Tensor, int]]:
+def _broadcast_use(op: tf.Operation, var_input: tf.Tensor,
+                   an: interfaces.Analysis) -> Optional[tuple[tf.Tensor, int]]:
   """For `x ∘ w` (∘ in `_SIGNED_OPS`), w = `var_input` broadcast against x of the output's rank,
   its examples on a proven axis along which w is constant: (x, the sign of z's derivative in w),
   else None."""
@@ -175,46 +180,50 @@ def _broadcast_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple[tf.
   if (rank is None or x.shape.rank != rank or w.shape.rank is None or w.shape.rank > rank
       or not w.shape.is_fully_defined()):
     return None
-  axis = trace.batch_axis(x)
+  axis = an.batch_axis(x)
   if axis is None or ([1] * (rank - w.shape.rank) + w.shape.as_list())[axis] != 1:
     return None  # Unproven, or w would vary along the examples.
   return x, -1 if op.type == "Sub" and k[0] == 1 else 1
 
 
-def _match_broadcast(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if _broadcast_use(op, var_input) is None else "broadcast"
+def _match_broadcast(op: tf.Operation, var_input: tf.Tensor,
+                     an: interfaces.Analysis) -> Optional[str]:
+  return None if _broadcast_use(op, var_input, an) is None else "broadcast"
 
 
 def _broadcast_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                      var: tf.Variable) -> F.Factor:
+                      var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """z = x·w or x ± w, w broadcast: g = Σ over the axes along which w is broadcast of dz·x (Mul)
   or ±dz (sums), summed over the example's rows like a bias."""
-  k = next(i for i, t in enumerate(op.inputs) if _broadcast_use(op, t) is not None)
-  x, sign = _broadcast_use(op, op.inputs[k])
+  k = next(i for i, t in enumerate(op.inputs) if _broadcast_use(op, t, an) is not None)
+  x, sign = _broadcast_use(op, op.inputs[k], an)
   d = tf.cast(grad, var.dtype)
   if op.type == "Mul":
     d = d * tf.cast(x, var.dtype)
   elif sign < 0:
     d = -d
-  return summed_rows(d, op.inputs[k].shape.as_list(), trace.batch_axis(x), m, var)
+  return summed_rows(d, op.inputs[k].shape.as_list(), an.batch_axis(x), m, var)
 
 
-def _ones_like(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+def _ones_like(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+               ) -> Optional[list[B.Info]]:
   """A Fill shaped like a batched t (before the unknowns: a ragged argument's shape is unknown)."""
+  del an
   fill = _fill_rows(op)
-  if fill is not None and fill[1] is None and ins[1] == trace.NO_BATCH and trace.batched(
+  if fill is not None and fill[1] is None and ins[1] == B.NO_BATCH and B.batched(
       memo[fill[0].name]):
     return [memo[fill[0].name]]
   return None
 
 
-def _filled_rows(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+def _filled_rows(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+                 ) -> Optional[list[B.Info]]:
   """A Fill whose dims take the batch size from the axis of t that holds the examples."""
-  del ins
+  del ins, an
   fill = _fill_rows(op)
   info = None if fill is None else memo[fill[0].name]
-  if trace.batched(info) and info.axis == fill[1] and not info.block:
-    return [trace.Batch(fill[2], rows=info.rows)]  # B·rows entries on that axis.
+  if B.batched(info) and info.axis == fill[1] and not info.block:
+    return [B.Batch(fill[2], rows=info.rows)]  # B·rows entries on that axis.
   return None
 
 
@@ -223,7 +232,7 @@ def _fill_source(op: tf.Operation) -> list[tf.Tensor]:
   return [] if fill is None else [fill[0]]
 
 
-def _tile(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _tile(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Tile keeps the batch axis where its multiple there is 1; the other multiples need not be
   static (`keras.ops.repeat`, which GroupQueryAttention's heads take, packs a computed one)."""
   multiples = tf.get_static_value(op.inputs[1], partial=True)
@@ -232,7 +241,7 @@ def _tile(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   return ins[0] if multiples[ins[0].axis] == 1 else None
 
 
-def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[trace.Batch]:
+def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[B.Batch]:
   """A Tile or BroadcastTo of a tensor of no example, of size 1 on axis k, to a multiple of the
   batch size there (`ops/sizes.py`: `ops.repeat` of KerasHub DeBERTa's relative-position table
   over the batch): Batch(k), copy b taken as example b's (it depends on no example, so on none
@@ -245,18 +254,20 @@ def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[trace.Batch]:
   if len(found) != 1:
     return None
   (k, c), pad = found[0], rank - G.rank(x)
-  return trace.Batch(k, rows=c) if k < pad or x.shape[k - pad] == 1 else None
+  return B.Batch(k, rows=c) if k < pad or x.shape[k - pad] == 1 else None
 
 
-def _copied_to_batch(op: tf.Operation, ins: list[trace.Info],
-                     memo: dict) -> Optional[list[trace.Info]]:
+def _copied_to_batch(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+                     ) -> Optional[list[B.Info]]:
   """A Tile or BroadcastTo of a tensor of no example to the batch (`_expanded_to_batch`)."""
-  expanded = _expanded_to_batch(op, memo) if ins[0] == trace.NO_BATCH else None
+  del an
+  expanded = _expanded_to_batch(op, memo) if ins[0] == B.NO_BATCH else None
   return None if expanded is None else [expanded]
 
 
 FAMILY.ops(["BroadcastTo"], axis=_broadcast_to, known=_copied_to_batch)
 FAMILY.ops(["Tile"], axis=_tile, known=_copied_to_batch)
 FAMILY.ops(["Fill"], reads=_fill_source, early=_ones_like, known=_filled_rows)
-FAMILY.factor("broadcast", _match_broadcast, _broadcast_factor)
-FAMILY.factor("expand", expand_use, expand_factor, proves=True)
+FAMILY.factor("broadcast", _match_broadcast, _broadcast_factor, priority=70, any_shape=True)
+# After the rules of one op and the loops': it proves a use beyond its op.
+FAMILY.factor("expand", expand_use, expand_factor, priority=160, proves=True, any_shape=True)

@@ -14,13 +14,13 @@ the gradient of its output:
   gradient of a conv z ↦ y whose kernel gradient is Conv*BackpropFilter(dy, z):
   Σ_p patch(dy)_pᵀ z_p, an `Outer` of the output gradient's patches and the data's rows.
 * A Conv2D, DepthwiseConv2dNative or ungrouped Conv3D of a SpaceToBatchND (how TF dilates them):
-  the data's axis 0 holds blocks of examples (`trace.Batch.block`), whose rows are regrouped by
+  the data's axis 0 holds blocks of examples (`B.Batch.block`), whose rows are regrouped by
   example.
 * A grouped conv dilated inside its call (`SpaceToBatchND` → conv → `BatchToSpaceND`,
   `Blocked`): the dilated conv of the call's data, padded as the blocks were.
 
 A match needs SAME or VALID padding, static sizes that reproduce the op's own output size, and
-axis 0 proven to hold the examples (`trace.batch_info`); anything else takes the fallback.
+axis 0 proven to hold the examples (`trace.Analysis.batch_info`); anything else takes the fallback.
 Channels-first Conv3D, transposed convs and convs of blocks (NCHW, NCDHW: Keras'
 `data_format="channels_first"`) have their data and output gradients moved to channels last
 (`channels_last`) first.
@@ -36,9 +36,10 @@ from typing import Optional, Union
 import numpy as np
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import registry
 
 _TRANSPOSED = ("Conv2DBackpropInput", "Conv3DBackpropInputV2")
@@ -240,11 +241,11 @@ def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor, ksize: list[int]
   return strides, dilations, padding
 
 
-def _blocks(x: tf.Tensor) -> Optional[int]:
+def _blocks(x: tf.Tensor, an: interfaces.Analysis) -> Optional[int]:
   """How many blocks axis 0 of `x` holds: 1 if it is the examples, prod(block shape) after a
   SpaceToBatchND (a dilated conv; block-major, each block example-major), None if unproven."""
-  info = trace.batch_info(x)
-  if not isinstance(info, trace.Batch) or info.axis != 0 or info.block[:1] == trace.MERGED:
+  info = an.batch_info(x)
+  if not isinstance(info, B.Batch) or info.axis != 0 or info.block[:1] == B.MERGED:
     return None
   return math.prod(info.block)
 
@@ -310,7 +311,8 @@ def _rows(t: tf.Tensor, m: tf.Tensor, dtype: tf.DType, blocks: int, *widths: int
 # DepthwiseConv2dNative.
 
 
-def _depthwise_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
+def _depthwise_use(op: tf.Operation, var_input: tf.Tensor,
+                   an: interfaces.Analysis) -> Optional[tuple]:
   """(blocks of the data, strides, dilations, padding), or None."""
   if (op.type != "DepthwiseConv2dNative" or not G.same(op.inputs[1], var_input)
       or G.same(op.inputs[0], var_input)):
@@ -319,20 +321,21 @@ def _depthwise_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
   if not w.shape.is_fully_defined() or x.shape.rank != 4 or w.shape[2] != x.shape[-1]:
     return None
   windows = _windows(op, x, op.outputs[0], w.shape[:2])
-  blocks = _blocks(x)
+  blocks = _blocks(x, an)
   return None if windows is None or blocks is None else (blocks, *windows)
 
 
-def match_depthwise(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if _depthwise_use(op, var_input) is None else "depthwise"
+def match_depthwise(op: tf.Operation, var_input: tf.Tensor,
+                    an: interfaces.Analysis) -> Optional[str]:
+  return None if _depthwise_use(op, var_input, an) is None else "depthwise"
 
 
 def depthwise_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                     var: tf.Variable) -> F.Factor:
+                     var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """Depthwise z[c·K + k] = x[c] ⋆ w[:, :, c, k]: channel c's kernel gradient is
   Σ_p patch_p[c]ᵀ dz_p[c, :], one group per input channel."""
   kh, kw, c, mult = op.inputs[1].shape
-  blocks, *windows = _depthwise_use(op, op.inputs[1])
+  blocks, *windows = _depthwise_use(op, op.inputs[1], an)
   a = tf.transpose(_rows(patches(op.inputs[0], [kh, kw], *windows), m, var.dtype, blocks,
                          kh * kw, c), [0, 1, 3, 2])
   return F.GroupedOuter(a, _rows(grad, m, var.dtype, blocks, c, mult), tuple(var.shape))
@@ -342,7 +345,8 @@ def depthwise_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 # Conv2D of a SpaceToBatchND (a dilated Conv2D; the "conv" rule takes example-major data).
 
 
-def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
+def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor,
+                        an: interfaces.Analysis) -> Optional[tuple]:
   """(blocks of the data, strides, dilations, padding) of an ungrouped Conv2D, or None."""
   if op.type != "Conv2D" or not G.same(op.inputs[1], var_input) or G.same(op.inputs[0], var_input):
     return None
@@ -351,19 +355,20 @@ def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tupl
       or w.shape[2] != _last_shape(x.shape, channels_first(op))[-1]):
     return None
   windows = _windows(op, x, op.outputs[0], w.shape[:2], allow_first=True)
-  blocks = _blocks(x)
+  blocks = _blocks(x, an)
   return None if windows is None or blocks is None or blocks < 2 else (blocks, *windows)
 
 
-def match_blocked_conv2d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if _blocked_conv2d_use(op, var_input) is None else "blocked_conv2d"
+def match_blocked_conv2d(op: tf.Operation, var_input: tf.Tensor,
+                         an: interfaces.Analysis) -> Optional[str]:
+  return None if _blocked_conv2d_use(op, var_input, an) is None else "blocked_conv2d"
 
 
 def blocked_conv2d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                          var: tf.Variable) -> F.Factor:
+                          var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """Conv2D: g = Σ_p patch_pᵀ dz_p over each example's positions in every block."""
   kh, kw, cin, cout = op.inputs[1].shape
-  blocks, *windows = _blocked_conv2d_use(op, op.inputs[1])
+  blocks, *windows = _blocked_conv2d_use(op, op.inputs[1], an)
   first = channels_first(op)
   x, grad = channels_last(op.inputs[0], first), channels_last(grad, first)
   return windowed_outer(x, _rows(grad, m, var.dtype, blocks, cout), [kh, kw], windows, m,
@@ -433,7 +438,8 @@ def _in_call(op: tf.Operation, var_input: tf.Tensor,
   return (conv, space) if computes_only(call, path, x_path, G.skip_identity(conv.inputs[1])) else None
 
 
-def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
+def _conv3d_use(op: tf.Operation, var_input: tf.Tensor,
+                an: interfaces.Analysis) -> Optional[tuple]:
   """(the Conv3D, its data in `op`'s graph, groups, blocks of the data, strides, dilations,
   padding, the `Blocked` of a call's conv or None), or None. Blocks: a dilated Conv3D's
   SpaceToBatchND, of an ungrouped op only."""
@@ -460,20 +466,22 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[tuple]:
     windows = ([1, 1, 1], list(space.block), "VALID")
   else:
     windows = _windows(conv, x, op.outputs[0], w.shape[:3], allow_first=True)
-  blocks = _blocks(x)
+  blocks = _blocks(x, an)
   if windows is None or blocks is None or (blocks > 1 and conv is not op):
     return None
   return (conv, x, groups, blocks, *windows, space)
 
 
-def match_conv3d(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if _conv3d_use(op, var_input) is None else "conv3d"
+def match_conv3d(op: tf.Operation, var_input: tf.Tensor,
+                 an: interfaces.Analysis) -> Optional[str]:
+  return None if _conv3d_use(op, var_input, an) is None else "conv3d"
 
 
-def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
+                  an: interfaces.Analysis) -> F.Factor:
   """Conv3D: g = Σ_p patch_pᵀ dz_p; grouped, group g's columns take the patches of its input
   channels and its output channels' gradients."""
-  conv, x, groups, blocks, *windows, space = next(filter(None, (_conv3d_use(op, t)
+  conv, x, groups, blocks, *windows, space = next(filter(None, (_conv3d_use(op, t, an)
                                                                for t in op.inputs[::-1])))
   first = channels_first(conv)
   x, grad = channels_last(x, first), channels_last(grad, first)
@@ -495,7 +503,8 @@ def conv3d_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
 
 
 def _transposed_use(op: tf.Operation,
-                    var_input: tf.Tensor) -> Optional[tuple[int, list[int], list[int], str]]:
+                    var_input: tf.Tensor,
+                    an: interfaces.Analysis) -> Optional[tuple[int, list[int], list[int], str]]:
   """y = the transposed conv of data z by a filter (…, C_y, C_z): the blocks of z (a dilated one's
   SpaceToBatchND, as Keras 2 dilates it) and the windows of the conv y ↦ z."""
   if (op.type not in _TRANSPOSED or not G.same(op.inputs[1], var_input)
@@ -506,16 +515,17 @@ def _transposed_use(op: tf.Operation,
       or _last_shape(y.shape, first)[-1] not in (None, w.shape[-2])
       or w.shape[-1] != _last_shape(z.shape, first)[-1]):
     return None
-  windows, blocks = _windows(op, y, z, w.shape[:-2], allow_first=True), _blocks(z)
+  windows, blocks = _windows(op, y, z, w.shape[:-2], allow_first=True), _blocks(z, an)
   return None if windows is None or blocks is None else (blocks, *windows)
 
 
-def match_transposed(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if _transposed_use(op, var_input) is None else "conv_transpose"
+def match_transposed(op: tf.Operation, var_input: tf.Tensor,
+                     an: interfaces.Analysis) -> Optional[str]:
+  return None if _transposed_use(op, var_input, an) is None else "conv_transpose"
 
 
 def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                      var: tf.Variable) -> F.Factor:
+                      var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """Transposed conv y of z: the kernel gradient is the conv y ↦ z's, with dy as its data and z
   as its output gradient, g = Σ_p patch(dy)_pᵀ z_p."""
   w, first = op.inputs[1], channels_first(op)
@@ -525,7 +535,7 @@ def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
   sizes = y.shape[1:-1]
   dy = tf.reshape(channels_last(grad, first), [-1, *sizes, w.shape[-2]] if sizes.is_fully_defined()
                   else tf.concat([tf.shape(y)[:-1], [w.shape[-2]]], 0))
-  blocks, *windows = _transposed_use(op, w)
+  blocks, *windows = _transposed_use(op, w, an)
   return windowed_outer(dy, _rows(z, m, var.dtype, blocks, w.shape[-1]), w.shape[:-2], windows,
                         m, var.dtype, blocks, tuple(var.shape))
 
@@ -533,7 +543,7 @@ def transposed_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
 FAMILY = registry.Family(__name__)
 
 
-def _spatial(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _spatial(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Convolution, pooling, resizing: axis 0 of the data input is kept, other inputs unbatched."""
   data = 2 if "BackpropInput" in op.type else 0  # Conv*Transpose: (sizes, filter, dz).
   if ins[data].axis == 0 and all(i.axis is None for j, i in enumerate(ins) if j != data):
@@ -557,7 +567,7 @@ def _grouped(op: tf.Operation) -> bool:
 FAMILY.ops(["Conv2D", "Conv3D"], axis=_spatial, block_safe=True, pfor_wrong=_grouped)
 FAMILY.ops(["DepthwiseConv2dNative", *_TRANSPOSED], axis=_spatial, block_safe=True)
 FAMILY.ops(_POOLS_AND_RESIZES, axis=_spatial)
-FAMILY.factor("depthwise", match_depthwise, depthwise_factor)
-FAMILY.factor("conv3d", match_conv3d, conv3d_factor)
-FAMILY.factor("conv_transpose", match_transposed, transposed_factor)
-FAMILY.factor("blocked_conv2d", match_blocked_conv2d, blocked_conv2d_factor)
+FAMILY.factor("depthwise", match_depthwise, depthwise_factor, priority=100)
+FAMILY.factor("conv3d", match_conv3d, conv3d_factor, priority=110)
+FAMILY.factor("conv_transpose", match_transposed, transposed_factor, priority=120)
+FAMILY.factor("blocked_conv2d", match_blocked_conv2d, blocked_conv2d_factor, priority=130)

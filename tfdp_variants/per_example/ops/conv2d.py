@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import conv as conv_rules
 from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import rows
@@ -100,20 +100,22 @@ def _groups(conv: tf.Operation, x: tf.Tensor) -> Optional[int]:
   return None if c is None or cin is None or c % cin else c // cin
 
 
-def _match_conv(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+def _match_conv(op: tf.Operation, var_input: tf.Tensor, an: interfaces.Analysis) -> Optional[str]:
   spec = _conv_use(op, var_input)
-  if (spec is None or trace.batch_axis(spec.x) != 0
+  if (spec is None or an.batch_axis(spec.x) != 0
       or _groups(spec.conv, spec.conv.inputs[0]) is None):
     return None
   return "conv"
 
 
-def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
+                 an: interfaces.Analysis) -> F.Factor:
   """Conv2D: g = Σ_p patch_pᵀ dz_p over output positions p (Opacus' unfold rule).
 
   A grouped convolution is G independent ones: group g's kernel columns take the patches of its
   C/G input channels and its O/G output channels' gradients.
   """
+  del an
   spec = next(filter(None, (_conv_use(op, t) for t in op.inputs[::-1])))
   conv, x, dtype = spec.conv, spec.x, var.dtype
   grad = tf.cast(grad, dtype)
@@ -157,4 +159,4 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   return F.Columns(parts, tuple(var.shape))
 
 
-FAMILY.factor("conv", _match_conv, _conv_factor)
+FAMILY.factor("conv", _match_conv, _conv_factor, priority=30)

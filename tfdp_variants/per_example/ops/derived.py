@@ -15,7 +15,7 @@ over a key length known at run time only), c_b = ±Σ over r's broadcast axes of
 (Qwen3.5's decay, -exp(A_log), scaling every example's state), c_b = Σ of dz[b]·x[b].
 
 A use of w matches when its op's outputs and every op after them up to one such op (the region f)
-depend on no example (`trace.NO_BATCH`). The region is pulled back per microbatch
+depend on no example (`B.NO_BATCH`). The region is pulled back per microbatch
 (`tf.vectorized_map` over the c_b: one backward pass of f each, f free of examples and small next
 to the model), and each use takes its own share, the backward pass through its op alone (the
 op's other inputs held constant), so that the shares of a variable's several uses in f (the
@@ -29,9 +29,10 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import registry
 
 FAMILY = registry.Family(__name__)
@@ -53,15 +54,16 @@ class Derived:
   factor: Optional[tf.Tensor] = None
 
 
-def _free(op: tf.Operation) -> bool:
+def _free(op: tf.Operation, an: interfaces.Analysis) -> bool:
   """Whether every output of `op` depends on no example."""
-  return bool(op.outputs) and all(trace.batch_info(t) == trace.NO_BATCH for t in op.outputs)
+  return bool(op.outputs) and all(an.batch_info(t) == B.NO_BATCH for t in op.outputs)
 
 
 _LINEAR = ("AddV2", "Add", "Sub", "Mul")
 
 
-def _copy(op: tf.Operation, source: tf.Tensor) -> Optional[tuple[int, int, Optional[tf.Tensor]]]:
+def _copy(op: tf.Operation, source: tf.Tensor,
+          an: interfaces.Analysis) -> Optional[tuple[int, int, Optional[tf.Tensor]]]:
   """(axis, sign, factor) of `op` copying `source` (of known rank) to every example, along the
   axis of its output that holds them: a Tile (every other multiple 1) or BroadcastTo of it to the
   batch; an AddV2, Sub or Mul of it with batched data along whose examples it broadcasts (a
@@ -74,7 +76,7 @@ def _copy(op: tf.Operation, source: tf.Tensor) -> Optional[tuple[int, int, Optio
       return None
   elif op.type not in ("Tile", "BroadcastTo") or not G.same(op.inputs[0], source):
     return None
-  k, rank = trace.batch_axis(op.outputs[0]), op.outputs[0].shape.rank
+  k, rank = an.batch_axis(op.outputs[0]), op.outputs[0].shape.rank
   if k is None or rank is None or source.shape.rank is None:
     return None
   if op.type == "Tile":
@@ -91,9 +93,9 @@ def _copy(op: tf.Operation, source: tf.Tensor) -> Optional[tuple[int, int, Optio
 
 
 def derived_use(op: tf.Operation, var_input: tf.Tensor,
-                forward: set[tf.Operation]) -> Optional[Derived]:
+                forward: set[tf.Operation], an: interfaces.Analysis) -> Optional[Derived]:
   """`op` and every op of `forward` after it depend on no example up to one copy to the batch."""
-  if not _free(op):
+  if not _free(op, an):
     return None
   region, frontier, copy = {op}, list(op.outputs), None
   while frontier:
@@ -101,11 +103,11 @@ def derived_use(op: tf.Operation, var_input: tf.Tensor,
     for reader in t.consumers():
       if reader not in forward or reader in region:
         continue
-      if _free(reader):
+      if _free(reader, an):
         region.add(reader)
         frontier.extend(reader.outputs)
         continue
-      found = _copy(reader, t)
+      found = _copy(reader, t, an)
       if found is None or (copy is not None and (copy[0] is not reader or not G.same(copy[1], t))):
         return None
       copy = (reader, t, found)
@@ -138,8 +140,10 @@ def _cotangents(use: Derived, grad: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
                     tf.concat([[m], shape], 0) if isinstance(shape, tf.Tensor) else [m, *shape])
 
 
-def derived_factor(use: Derived, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSpec) -> F.Dense:
+def derived_factor(use: Derived, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSpec,
+                   an: interfaces.Analysis) -> F.Dense:
   """g_b = J_fᵀ c_b through `use.op` alone (the module's doc), per microbatch."""
+  del an
   held = [t for t in use.op.inputs if not G.same(t, use.var_input)]
 
   def pull(c: tf.Tensor) -> tf.Tensor:
@@ -153,5 +157,5 @@ def derived_factor(use: Derived, grad: tf.Tensor, m: tf.Tensor, var: tf.TensorSp
   return F.Dense(tf.reshape(tf.cast(g, var.dtype), [m, *var.shape]), rule="derived")
 
 
-# Last in `registry.FACTOR_ORDER`: it matches only a use no other rule covers (an op of no example).
-FAMILY.factor("derived", derived_use, derived_factor, proves=True)
+# Last: it matches only a use no other rule covers (an op of no example), and must shadow none.
+FAMILY.factor("derived", derived_use, derived_factor, priority=1000, proves=True)

@@ -1,6 +1,7 @@
-"""Every op family, registered: importing this module (`registry`'s first lookup does) imports
-each family module, which registers its rules, then freezes the tables. A new family module is
-one line here (BUILD_NOTES, "Where each common change goes")."""
+"""The default registry: every op family of the package, imported here (not by the analysis'
+first lookup) and collected in `DEFAULT`, which `trace.Analysis` takes unless its caller passes
+another. A new family module is one import and one entry here (BUILD_NOTES, "Where each common
+change goes")."""
 
 from tfdp_variants.per_example.ops import broadcast
 from tfdp_variants.per_example.ops import control
@@ -20,4 +21,7 @@ from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import spectral
 from tfdp_variants.per_example.ops import tables
 
-registry.freeze()
+FAMILIES = (broadcast, control, conv, conv2d, derived, elementwise, gather, image, layout, loops,
+            low_rank, matmul, normalization, reductions, spectral, tables)
+
+DEFAULT = registry.Registry(family.FAMILY for family in FAMILIES)

@@ -10,8 +10,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import sizes as S
 
@@ -26,15 +27,15 @@ def _without_units(shape: tf.TensorShape, keep: Optional[int] = None) -> tuple[t
   return tf.TensorShape([shape[i] for i in where]), where
 
 
-def _reshape(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _reshape(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """`_reshape_rows` of the window's rows, for a window (`_window`): it stays that window."""
-  if ins[0].block[:1] != trace.WINDOW:
+  if ins[0].block[:1] != B.WINDOW:
     return _reshape_rows(op, ins)
   out = _reshape_rows(op, [dataclasses.replace(ins[0], block=())] + ins[1:])
   return None if out is None or out.block else dataclasses.replace(out, block=ins[0].block)
 
 
-def _reshape_rows(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _reshape_rows(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Reshape keeps an example-major leading axis: examples are contiguous blocks of the flat data.
 
   Size-1 axes are dropped on both sides first (they move no element: LayerNormalization's
@@ -42,7 +43,7 @@ def _reshape_rows(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   examples only where each new row is proven to lie within one (`_rows_after`; shapes computed
   at run time: `_computed_rows`); an axis after other non-unit axes is kept only when all axes up
   to it are unchanged, or merged with the static axes before it (time-major rows,
-  `trace.MERGED`) when all after it are.
+  `B.MERGED`) when all after it are.
   """
   if ins[1].axis is not None or op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None:
     return None
@@ -57,12 +58,12 @@ def _reshape_rows(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
                                                                          axis=from_y[out.axis])
 
 
-def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
+def _reshaped(info: B.Batch, x: tf.TensorShape, y: tf.TensorShape) -> B.Info:
   """`_reshape` of unblocked data, neither shape holding a static size-1 axis but the batch."""
   b = info.axis
   if b == 0:
     rows = _rows_after(x, y, info.rows) if y.rank else None
-    return None if rows is None else trace.Batch(0, rows=rows)
+    return None if rows is None else B.Batch(0, rows=rows)
   same = y.rank > b and all(
       p is not None and p == q for p, q in zip(x[:b + 1].as_list(), y[:b + 1].as_list()))
   if same:
@@ -71,12 +72,12 @@ def _reshaped(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.
   if j >= 0 and x[:j].is_fully_defined() and (
       x[:j] == y[:j] and x[b + 1:].is_fully_defined() and x[b + 1:] == y[j + 1:]):
     sizes = tuple(x[j:b].as_list()) if x[j:b].is_fully_defined() else ()
-    return trace.Batch(j, trace.MERGED + sizes)
+    return B.Batch(j, B.MERGED + sizes)
   return None
 
 
 def _rows_after(x: tf.TensorShape, y: tf.TensorShape, rows: int) -> Optional[int]:
-  """The `trace.Batch.rows` of y, for a reshape x → y of rows on axis 0 of which each example
+  """The `B.Batch.rows` of y, for a reshape x → y of rows on axis 0 of which each example
   holds a multiple of `rows`: proven where each row of y lies within one example, so that a
   reshape splitting each example's entries into rows, and one merging at most as many back, keep
   the examples. An example holds a multiple of `rows` times the static part of x's row; with y's
@@ -95,8 +96,8 @@ def _rows_after(x: tf.TensorShape, y: tf.TensorShape, rows: int) -> Optional[int
   return None
 
 
-def _computed_rows(op: tf.Operation, ins: list[trace.Info], memo: dict
-                   ) -> Optional[list[trace.Info]]:
+def _computed_rows(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+                   ) -> Optional[list[B.Info]]:
   """`_reshape`, or for a reshape of rows (the examples on x's first axis of more than one entry)
   to a shape computed at run time (`ops/sizes.py`), the rows regrouped where each example still
   holds whole rows: the new leading size is a multiple c·B of the number of examples (Keras 2's
@@ -105,8 +106,9 @@ def _computed_rows(op: tf.Operation, ins: list[trace.Info], memo: dict
   example's entries (`(-1, Shape(x)[-1])`: TensorFlow's sparse cross-entropy on (B, T, V) logits;
   `_tail_rows`). Each proof gives a number dividing each example's rows; they combine by least
   common multiple. A window's rows (`_window`) are its examples."""
+  del an
   x = ins[0]
-  if (not trace.batched(x) or x.block[:1] not in ((), trace.WINDOW) or ins[1].axis is not None
+  if (not B.batched(x) or x.block[:1] not in ((), B.WINDOW) or ins[1].axis is not None
       or op.inputs[0].shape.rank is None or op.outputs[0].shape.rank is None):
     return None
   static = _reshape(op, ins)
@@ -120,7 +122,7 @@ def _computed_rows(op: tf.Operation, ins: list[trace.Info], memo: dict
   if static is not None and (static.axis, static.block) == (p, x.block):
     proofs.append(static.rows)
   proofs = [c for c in proofs if c is not None]
-  return [trace.Batch(p, x.block, rows=math.lcm(*proofs))] if proofs else None
+  return [B.Batch(p, x.block, rows=math.lcm(*proofs))] if proofs else None
 
 
 def _entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> S.Size:
@@ -159,18 +161,18 @@ def _tail_rows(tail: list[S.Size], x: tf.Tensor, b: int, rows: int) -> Optional[
   return entries // divisor if entries % divisor == 0 else None
 
 
-def _unmerge(info: trace.Batch, x: tf.TensorShape, y: tf.TensorShape) -> trace.Info:
-  """A reshape x → y of a merged axis j (`trace.merged_sizes`) back into its sizes and the batch
+def _unmerge(info: B.Batch, x: tf.TensorShape, y: tf.TensorShape) -> B.Info:
+  """A reshape x → y of a merged axis j (`B.merged_sizes`) back into its sizes and the batch
   axis, every other axis unchanged (only a split restoring it keeps the examples): they lie on the axis
   after the sizes."""
-  sizes, j = trace.merged_sizes(info), info.axis
+  sizes, j = B.merged_sizes(info), info.axis
   if (sizes is None or y.rank != x.rank + len(sizes) or not x[:j].is_fully_defined()
       or not x[j + 1:].is_fully_defined()):
     return None
   k = j + len(sizes)
   if (y[:j].as_list() == x[:j].as_list() and tuple(y[j:k].as_list()) == sizes
       and y[k + 1:].as_list() == x[j + 1:].as_list()):
-    return trace.Batch(k)
+    return B.Batch(k)
   return None
 
 
@@ -220,14 +222,14 @@ def _folded_slice(op: tf.Operation, x: np.ndarray, begin: np.ndarray, end: np.nd
            None if masks["end"] & 1 else int(end[0]):int(strides[0])]
 
 
-def _mix_reshape(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+def _mix_reshape(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
   """A reshape of example-major x (B, ...) whose new shape puts x's batch size, Shape(x)[0], on
   a later axis p behind an axis of a static size above 1: slot b of axis p then holds entries of
   other examples than b (flat entry i·B·r + b·r is example (i·B + b)·r // E, E each example's
   entries), as KerasHub's XLNet attention mask does with (B, T) → (T, B) where a transpose was
   meant."""
   x, rank = ins[0], op.outputs[0].shape.rank
-  if (not trace.batched(x) or x.block or x.axis != 0 or ins[1].axis is not None or not rank
+  if (not B.batched(x) or x.block or x.axis != 0 or ins[1].axis is not None or not rank
       or not G.several(op.inputs[0], 0)):
     return None
   for p in range(1, rank):
@@ -242,55 +244,55 @@ def _mix_reshape(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
   return None
 
 
-def _transpose(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _transpose(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """The batch axis goes where the permutation, fixed at trace time, puts it."""
   perm = _folded(op.inputs[1])
   if perm is None or ins[1].axis is not None or ins[0].axis not in perm.tolist():
     return None
-  return trace.Batch(perm.tolist().index(ins[0].axis))
+  return B.Batch(perm.tolist().index(ins[0].axis))
 
 
-def _expand_dims(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _expand_dims(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   d, rank = G.constant_value(op.inputs[1]), G.rank(op.inputs[0])
   if d is None or rank is None:
     return None
   d = d[0] if isinstance(d, list) else d
-  return trace.Batch(ins[0].axis + (G.norm(d, rank + 1) <= ins[0].axis))
+  return B.Batch(ins[0].axis + (G.norm(d, rank + 1) <= ins[0].axis))
 
 
-def _squeeze(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _squeeze(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   b = ins[0].axis
   dims = [G.norm(d, G.rank(op.inputs[0])) for d in op.get_attr("squeeze_dims")]
   if not dims or None in dims or b in dims:
     return None
-  return trace.Batch(b - sum(d < b for d in dims))
+  return B.Batch(b - sum(d < b for d in dims))
 
 
-def _pack(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _pack(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Stack along a new axis p: batched inputs must agree; the batch axis shifts if p ≤ it."""
   axes = {i.axis for i in ins if i.axis is not None}
   if len(axes) != 1 or G.rank(op.inputs[0]) is None:
     return None
   b = axes.pop()
   p = G.norm(op.get_attr("axis"), G.rank(op.inputs[0]) + 1)
-  return trace.Batch(b + (p <= b))
+  return B.Batch(b + (p <= b))
 
 
-def _unpack(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _unpack(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   b, a = ins[0].axis, G.norm(op.get_attr("axis"), G.rank(op.inputs[0]))
-  return None if a is None or a == b else trace.Batch(b - (a < b))
+  return None if a is None or a == b else B.Batch(b - (a < b))
 
 
-def _concat(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _concat(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """ConcatV2 along a non-batch axis of inputs that agree on the batch axis."""
   axis, rank = G.constant_value(op.inputs[-1]), G.rank(op.outputs[0])
   axes = {i.axis for i in ins[:-1] if i.axis is not None}
   if axis is None or rank is None or len(axes) != 1 or G.norm(axis, rank) in axes:
     return None
-  return trace.Batch(axes.pop())
+  return B.Batch(axes.pop())
 
 
-def _split(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _split(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Split (axis first) / SplitV (axis last) along a non-batch axis."""
   axis_t, data = (op.inputs[0], 1) if op.type == "Split" else (op.inputs[2], 0)
   axis = G.constant_value(axis_t)
@@ -299,7 +301,7 @@ def _split(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   return ins[data]
 
 
-def _strided_slice(op: tf.Operation, ins: list[trace.Info], window: bool = False) -> trace.Info:
+def _strided_slice(op: tf.Operation, ins: list[B.Info], window: bool = False) -> B.Info:
   """Whole along the batch axis (stride 1, not shrunk; a `window` any positive stride). Walking the
   slice's entries: a new axis (`x[:, None]`, Keras 2's attention mask) adds an output axis, a
   shrunk one removes an input axis."""
@@ -314,13 +316,13 @@ def _strided_slice(op: tf.Operation, ins: list[trace.Info], window: bool = False
     elif a == b:
       whole = (window and stride > 0) or (bit("begin_mask", i) and bit("end_mask", i)
                                            and stride == 1)
-      return trace.Batch(o) if whole and not bit("shrink_axis_mask", i) else None
+      return B.Batch(o) if whole and not bit("shrink_axis_mask", i) else None
     else:
       a, o = a + 1, o + (0 if bit("shrink_axis_mask", i) else 1)
-  return trace.Batch(o + b - a)
+  return B.Batch(o + b - a)
 
 
-def _ellipsis_slice(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _ellipsis_slice(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """StridedSlice, an ellipsis (`x[..., None]`, Gemma's attention) expanded to the whole axes it
   stands for, then walked as `_strided_slice` walks its entries."""
   if not op.get_attr("ellipsis_mask"):
@@ -345,13 +347,13 @@ def _ellipsis_slice(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
     if new:
       o += 1
     elif a == b:
-      return trace.Batch(o) if whole and not shrunk else None
+      return B.Batch(o) if whole and not shrunk else None
     else:
       a, o = a + 1, o + (0 if shrunk else 1)
-  return trace.Batch(o + b - a)
+  return B.Batch(o + b - a)
 
 
-def _slice(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _slice(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Whole along the batch axis; the other axes' begins and sizes may be computed (a random crop)."""
   begin = tf.get_static_value(op.inputs[1], partial=True)
   size = tf.get_static_value(op.inputs[2], partial=True)
@@ -360,12 +362,12 @@ def _slice(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
                     and ins[2].axis is None and begin[b] == 0 and size[b] == -1) else None
 
 
-def _pad(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _pad(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   pads = G.constant_value(op.inputs[1])
   return ins[0] if pads is not None and pads[ins[0].axis] == [0, 0] else None
 
 
-def _reverse(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _reverse(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """ReverseV2 along non-batch axes (a backward RNN's time axis); along the batch axis it would
   reorder the examples."""
   axes, rank = G.constant_value(op.inputs[1]), G.rank(op.inputs[0])
@@ -402,15 +404,15 @@ def _position(t: tf.Tensor) -> bool:
   return True
 
 
-def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[trace.Batch]:
+def _window(op: tf.Operation, ins: list[B.Info], memo: dict) -> Optional[B.Batch]:
   """A window of rows, each one example's: a slice along axis 0 (positive stride, not shrunk) of
   the batch or of a tensor that depends on no example (a data set the step closes over, as a
   constant or a variable, sliced by a loop's counter, or in `loss_info`'s constants mode by the
   batch's static size), at a position that depends on no example's values (`_position`). Its
-  block (`trace.WINDOW`) keys the position's computation (`G.structure`), so only windows at one
+  block (`B.WINDOW`) keys the position's computation (`G.structure`), so only windows at one
   position combine (the inputs and labels of one step); a window meets no other batch."""
   x, source = ins[0], op.inputs[0]
-  if (not isinstance(x, trace.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
+  if (not isinstance(x, B.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
       or not all(map(_position, op.inputs[1:]))):
     return None
   begin = _folded(op.inputs[1])
@@ -418,56 +420,60 @@ def _window(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[tra
   if op.type == "Slice":
     size = G.constant_value(op.inputs[2])
     out = None if begin is not None and size is not None and (begin[0], size[0]) == (0, -1) else (
-        trace.Batch(0))
+        B.Batch(0))
     masks = ()
   else:
     masks = tuple(op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask",
                                            "new_axis_mask", "shrink_axis_mask"))
-    whole = _strided_slice(op, [trace.Batch(0)] + ins[1:])
+    whole = _strided_slice(op, [B.Batch(0)] + ins[1:])
     out = None if whole is not None or masks[3] & 1 else _strided_slice(
-        op, [trace.Batch(0)] + ins[1:], window=True)
+        op, [B.Batch(0)] + ins[1:], window=True)
   if out is None or out.axis != 0:
     return None
   if x.axis is None and begin is not None and not G.rows_of(op.outputs[0], memo["mode"][2]):
     return None  # A fixed slice of weights or constants, not of data.
   key = (op.type, masks, tuple(G.structure(t, source, {}) for t in op.inputs[1:]))
-  return trace.Batch(0, (*trace.WINDOW, key))
+  return B.Batch(0, (*B.WINDOW, key))
 
 
-def _space_to_batch(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _space_to_batch(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   block = G.constant_value(op.inputs[1])
   if ins[0].axis != 0 or ins[0].block or block is None or any(i.axis is not None for i in ins[1:]):
     return None
-  return trace.Batch(0, tuple(block))
+  return B.Batch(0, tuple(block))
 
 
-def _batch_to_space(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _batch_to_space(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   block = G.constant_value(op.inputs[1])
   if ins[0].axis != 0 or block is None or ins[0].block != tuple(block) or any(
       i.axis is not None for i in ins[1:]):
     return None
-  return trace.Batch(0, rows=ins[0].rows)  # The rows that entered the SpaceToBatchND.
+  return B.Batch(0, rows=ins[0].rows)  # The rows that entered the SpaceToBatchND.
 
 
-def _windowed(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+def _windowed(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+              ) -> Optional[list[B.Info]]:
+  del an
   window = _window(op, ins, memo)
   return None if window is None else [window]
 
 
 FAMILY.ops(["Reshape"], axis=_reshape, known=_computed_rows, mix=_mix_reshape, own_blocks=True,
-           unknown_why=(
+           reshapes=True, fixed=lambda x, shape: np.reshape(x, shape), unknown_why=(
     "is a reshape not proven to keep each example's entries in rows of their own (a row may hold "
     "several examples, or the new leading size is not shown to follow the batch size: compute it "
     "from tf.shape(x)[0], or reshape the axes after the batch axis only)"))
 FAMILY.ops(["Transpose"], axis=_transpose)
-FAMILY.ops(["ExpandDims"], axis=_expand_dims, block_safe=True)
-FAMILY.ops(["Squeeze"], axis=_squeeze, block_safe=True)
+FAMILY.ops(["ExpandDims"], axis=_expand_dims, block_safe=True, reshapes=True,
+           fixed=lambda x, axis: np.expand_dims(x, int(axis)))
+FAMILY.ops(["Squeeze"], axis=_squeeze, block_safe=True, reshapes=True)
 FAMILY.ops(["Pack"], axis=_pack)
-FAMILY.ops(["Unpack"], axis=_unpack)
+FAMILY.ops(["Unpack"], axis=_unpack, split_value=0)
 FAMILY.ops(["ConcatV2"], axis=_concat)
-FAMILY.ops(["Split", "SplitV"], axis=_split)
-FAMILY.ops(["StridedSlice"], axis=_ellipsis_slice, early=_windowed)
-FAMILY.ops(["Slice"], axis=_slice, early=_windowed)
+FAMILY.ops(["Split"], axis=_split, split_value=1)
+FAMILY.ops(["SplitV"], axis=_split, split_value=0)
+FAMILY.ops(["StridedSlice"], axis=_ellipsis_slice, early=_windowed, split_value=0)
+FAMILY.ops(["Slice"], axis=_slice, early=_windowed, split_value=0)
 FAMILY.ops(["Pad", "PadV2", "MirrorPad"], axis=_pad)
 FAMILY.ops(["ReverseV2"], axis=_reverse)
 FAMILY.ops(["SpaceToBatchND"], axis=_space_to_batch)

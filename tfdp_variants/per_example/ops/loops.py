@@ -16,7 +16,7 @@ matches only a loop whose body proves that they can (`loop_matmul_use`, `loop_co
     two iterations; rows of steps that did not run have q-gradient 0 and add nothing;
   * outside, the list is unstacked from q only for the loop, which is the only consumer of q's
     values (its shape may be read), and the list's elements and q's rows hold the
-    examples on axis 0 (q: axis 1 of a time-major tensor), proven by `trace.batch_axis`.
+    examples on axis 0 (q: axis 1 of a time-major tensor), proven by `trace.Analysis.batch_axis`.
 "Live" ops are those that reach the loss: from the loop outputs the loss reads, through the body
 and around the loop (an output feeds the next iteration's input), and the condition's inputs; the
 accumulators that a backward pass adds to the loop are not.
@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import conv
 from tfdp_variants.per_example.ops import registry
 
@@ -137,8 +137,8 @@ def _same_conv_rank(product: tf.Operation) -> Optional[int]:
 
 
 def _loop_product_use(loop: tf.Operation, var_input: tf.Tensor, forward: set[tf.Operation],
-                      product_rank: Callable[[tf.Operation], Optional[int]]
-                      ) -> Optional[LoopProduct]:
+                      product_rank: Callable[[tf.Operation], Optional[int]],
+                      an: interfaces.Analysis) -> Optional[LoopProduct]:
   """The proven recurrent product of `var_input` in while loop `loop` (module docstring), an op
   that `product_rank` accepts (its operands' rank)."""
   k = [i for i, t in enumerate(loop.inputs) if G.same(t, var_input)]
@@ -175,16 +175,17 @@ def _loop_product_use(loop: tf.Operation, var_input: tf.Tensor, forward: set[tf.
       or [c for c in unstacked.consumers() if c in forward] != [loop]
       or [c for c in probe.consumers() if c in forward and c.type not in G.SHAPES]
       != [unstacked.op]
-      or probe.shape.rank != rank + 1 or trace.batch_axis(probe) != 1
-      or trace.batch_axis(loop.outputs[kl]) != 1):
+      or probe.shape.rank != rank + 1 or an.batch_axis(probe) != 1
+      or an.batch_axis(loop.outputs[kl]) != 1):
     return None
-  source = _example_major_source(probe, forward)
+  source = _example_major_source(probe, forward, an)
   if source is not None:
     return LoopProduct(source, loop.outputs[kl], a.shape, a.dtype, u.shape, time_major=False)
   return LoopProduct(probe, loop.outputs[kl], a.shape, a.dtype, u.shape)
 
 
-def _example_major_source(probe: tf.Tensor, forward: set[tf.Operation]) -> Optional[tf.Tensor]:
+def _example_major_source(probe: tf.Tensor, forward: set[tf.Operation],
+                          an: interfaces.Analysis) -> Optional[tf.Tensor]:
   """z, if the probe is `transpose(z)` to time-major (axes 0 and 1 swapped) and that is the only
   use of z's values: then ∂L/∂z is ∂L/∂q example-major, which the backward pass forms anyway to
   reach z's inputs, and the factor reads it instead of transposing ∂L/∂q a second time."""
@@ -195,22 +196,22 @@ def _example_major_source(probe: tf.Tensor, forward: set[tf.Operation]) -> Optio
   z = op.inputs[0]
   if (perm is None or list(perm) != [1, 0, *range(2, probe.shape.rank)]
       or [c for c in z.consumers() if c in forward and c.type not in G.SHAPES] != [op]
-      or trace.batch_axis(z) != 0):
+      or an.batch_axis(z) != 0):
     return None
   return z
 
 
 def loop_matmul_use(loop: tf.Operation, var_input: tf.Tensor,
-                    forward: set[tf.Operation]) -> Optional[LoopProduct]:
+                    forward: set[tf.Operation], an: interfaces.Analysis) -> Optional[LoopProduct]:
   """The proven product a_t·U of `var_input` in while loop `loop` (a looped RNN)."""
-  return _loop_product_use(loop, var_input, forward, _matmul_rank)
+  return _loop_product_use(loop, var_input, forward, _matmul_rank, an)
 
 
 def loop_conv_use(loop: tf.Operation, var_input: tf.Tensor,
-                  forward: set[tf.Operation]) -> Optional[LoopProduct]:
+                  forward: set[tf.Operation], an: interfaces.Analysis) -> Optional[LoopProduct]:
   """The proven convolution of a_t by `var_input` in while loop `loop` (ConvLSTM's recurrent
   conv: unit strides, SAME padding)."""
-  return _loop_product_use(loop, var_input, forward, _same_conv_rank)
+  return _loop_product_use(loop, var_input, forward, _same_conv_rank, an)
 
 
 def _stacked(use: LoopProduct) -> tf.Tensor:
@@ -226,8 +227,9 @@ def _example_major(x: tf.Tensor) -> tf.Tensor:
 
 
 def loop_matmul_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
-                       var: tf.Variable) -> F.Factor:
+                       var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """g = Σ_t a_tᵀ ∂L/∂q_t per example: rows of the stacked list and of the probe's gradient."""
+  del an
   rows = lambda x, width: tf.reshape(tf.cast(x, var.dtype), [m, -1, width])
   fan_in, fan_out = var.shape
   return F.Outer(rows(_stacked(use), fan_in), rows(_grad_rows(use, grad), fan_out),
@@ -241,10 +243,11 @@ def _grad_rows(use: LoopProduct, grad: tf.Tensor) -> tf.Tensor:
 
 
 def loop_conv_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
-                     var: tf.Variable) -> F.Factor:
+                     var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """g = Σ_t Σ_p patch(a_t)_pᵀ ∂L/∂q_{t,p} per example, patches by kernel offset
   (`conv.windowed_outer`) of the stacked list, in the product's unit strides and SAME
   padding."""
+  del an
   a = _stacked(use)
   frames = tf.reshape(a, [-1, *use.shape[1:]])  # (B·T, ·): each example's frames contiguous.
   d = tf.reshape(tf.cast(_grad_rows(use, grad), var.dtype), [m, -1, use.kernel[-1]])
@@ -257,5 +260,6 @@ def loop_conv_factor(use: LoopProduct, grad: tf.Tensor, m: tf.Tensor,
 FAMILY = registry.Family(__name__)
 
 
-FAMILY.factor("loop_matmul", loop_matmul_use, loop_matmul_factor, proves=True)
-FAMILY.factor("loop_conv", loop_conv_use, loop_conv_factor, proves=True)
+# After the rules of one op: they prove a use inside a loop's body.
+FAMILY.factor("loop_matmul", loop_matmul_use, loop_matmul_factor, priority=140, proves=True)
+FAMILY.factor("loop_conv", loop_conv_use, loop_conv_factor, priority=150, proves=True)

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import gather
 from tfdp_variants.per_example.ops import matmul
 from tfdp_variants.per_example.ops import registry
@@ -50,12 +51,13 @@ class _LowRank:
   k_shape: Optional[tuple[int, ...]] = None
 
 
-def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[int]:
+def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor,
+                    an: interfaces.Analysis) -> Optional[int]:
   """V: the width of the rows of the inner rule's second factor operand, a product of K's trailing
   sizes (None if it has none)."""
   sizes = k.shape.as_list()
   if kind == "einsum":
-    use = matmul.einsum_use(inner, k)  # K = Q + C when transposed: its trailing sizes are C.
+    use = matmul.einsum_use(inner, k, an)  # K = Q + C when transposed: its trailing sizes are C.
     if use.layout is not None:
       return None
     contracted = len(sizes) - use.contracted if use.transposed else use.contracted
@@ -64,7 +66,7 @@ def _trailing_width(kind: str, inner: tf.Operation, k: tf.Tensor) -> Optional[in
 
 
 def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
-                  forward: set[tf.Operation]) -> Optional[_LowRank]:
+                  forward: set[tf.Operation], an: interfaces.Analysis) -> Optional[_LowRank]:
   """A MatMul of the variable and a weight whose product reaches a layer's weight K: each later op
   the previous one's only use, among layout ops, one Mul by a scalar constant and one AddV2 of a
   weight of K's shape; K used once, by a matmul, batch_matmul, einsum or gather_v2 rule."""
@@ -98,10 +100,11 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
       break
     steps.add(use.type[:3])
   kind = next((kind for kind in ("matmul", "batch_matmul", "einsum")
-               if registry.factor_rules()[kind].match(use, t) is not None), None)
-  if kind is None and gather.rows_gathered(use, t):
+               if an.registry.factor_rule(kind).match(use, t, an) is not None), None)
+  if kind is None and gather.rows_gathered(use, t, an):
     kind = "gather_v2"
-  width = None if kind is None or not t.shape.is_fully_defined() else _trailing_width(kind, use, t)
+  width = (None if kind is None or not t.shape.is_fully_defined()
+           else _trailing_width(kind, use, t, an))
   if (width is None or width % op.outputs[0].shape[-1] or (perm and kind == "gather_v2")
       or (kind == "gather_v2" and k[0] == 0 and not gather.whole_read(var_input))):  # Rows of A.
     return None
@@ -109,14 +112,15 @@ def _low_rank_use(op: tf.Operation, var_input: tf.Tensor,
                   op.outputs[0].shape[-1], perm, k_shape)
 
 
-def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
+                     an: interfaces.Analysis) -> F.Factor:
   """The per-example gradient of K, G = Σ_t u_tᵀ v_t (rows v_t of Q blocks of width O), pulled
   back through K = W + s·A·B: g_A = s·G·Bᵀ = Σ_t u_tᵀ (s·v_t·Bᵀ), and
   g_B = s·Aᵀ·G = Σ_{t,q} (s·u_t·A_q)ᵀ v_{t,q}, A_q the rows of A of block q. An embedding
   table's G = Σ_t onehot(id_t) ⊗ v_t likewise: g_A gathers s·v_t·Bᵀ, g_B is an `Outer` of A's
   rows s·A[id_t]."""
-  inner = registry.factor_rules()[use.kind].factor(use.inner, grad, m,
-                                                    tf.TensorSpec(use.weight.shape, var.dtype))
+  inner = an.registry.factor_rule(use.kind).factor(
+      use.inner, grad, m, tf.TensorSpec(use.weight.shape, var.dtype), an)
   other = use.scale * tf.cast(use.other, var.dtype)  # s·B, (r, O), or s·A, (N, r).
   gathered = isinstance(inner, F.Gather)
   v, o = inner.d, use.width
@@ -140,4 +144,5 @@ def _low_rank_factor(use: _LowRank, grad: tf.Tensor, m: tf.Tensor, var: tf.Varia
   return F.Outer(tf.reshape(rows, [m, -1, r]), tf.reshape(v, [m, -1, o]), tuple(var.shape))
 
 
-FAMILY.factor("low_rank", _low_rank_use, _low_rank_factor, proves=True)
+# After the rules it asks of the use of the product ("matmul", "batch_matmul", "einsum").
+FAMILY.factor("low_rank", _low_rank_use, _low_rank_factor, priority=170, proves=True)

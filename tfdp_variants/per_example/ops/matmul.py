@@ -11,9 +11,10 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import factors as F
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import elementwise
 from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import rows
@@ -22,7 +23,7 @@ from tfdp_variants.per_example.ops import rows
 FAMILY = registry.Family(__name__)
 
 
-def _matmul(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _matmul(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """MatMul keeps axis 0 of its left operand (rows), never a contracted axis (`_mix_matmul`)."""
   a, b = ins[:2]
   if b.axis is None and a.axis == 0 and not op.get_attr("transpose_a"):
@@ -30,7 +31,7 @@ def _matmul(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   return None
 
 
-def _batch_matmul(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _batch_matmul(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """BatchMatMul: batched operands agree on a leading (broadcast) axis, or the left's row axis."""
   rank = G.rank(op.outputs[0])
   if rank is None or op.get_attr("adj_x"):
@@ -43,7 +44,7 @@ def _batch_matmul(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
     if not (axis < rank - 2 or (is_left and axis == rank - 2)):
       return None
     axes.add(axis)
-  return trace.Batch(axes.pop()) if len(axes) == 1 else None
+  return B.Batch(axes.pop()) if len(axes) == 1 else None
 
 
 def einsum_labels(op: tf.Operation) -> Optional[tuple[list[str], str]]:
@@ -70,7 +71,7 @@ def einsum_labels(op: tf.Operation) -> Optional[tuple[list[str], str]]:
   return [expand(spec, w) for spec, w in zip(specs, widths)], expand(out, n)
 
 
-def _einsum(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _einsum(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Einsum keeps the batch label when every batched operand has it and the output keeps it."""
   labels = einsum_labels(op)
   if labels is None:
@@ -85,55 +86,56 @@ def _einsum(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
     return None
   if any(info.axis is None and label in spec for spec, info in zip(specs, ins)):
     return None  # An unbatched operand indexed by the batch label (e.g. a (B, ...) constant).
-  return trace.Batch(out.index(label))
+  return B.Batch(out.index(label))
 
 
-def _mix_matmul(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+def _mix_matmul(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
   """MatMul contracts axis 1 of a (0 if transposed) and axis 0 of b (1 if transposed); batched
   free axes of both operands cross examples."""
   a, b = ins[:2]
   contracted = (int(not op.get_attr("transpose_a")), int(op.get_attr("transpose_b")))
   for t, info, axis in zip(op.inputs, (a, b), contracted):
-    if trace.batched(info) and info.axis == axis and G.several(t, axis):
-      return trace.CONTRACTS
-  return trace.CROSSES if trace.batched(a) and trace.batched(b) else None
+    if B.batched(info) and info.axis == axis and G.several(t, axis):
+      return B.CONTRACTS
+  return B.CROSSES if B.batched(a) and B.batched(b) else None
 
 
-def _mix_batch_matmul(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+def _mix_batch_matmul(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
   """BatchMatMul: the left's last axis (adj_x: its row axis) and the right's row axis (adj_y: its
   last) are contracted; batched axes of the operands must land on one output axis."""
   rank, axes = G.rank(op.outputs[0]), set()
   adjoint = (op.get_attr("adj_x"), op.get_attr("adj_y"))
   for k, (t, info) in enumerate(zip(op.inputs[:2], ins[:2])):
     r = G.rank(t)
-    if not trace.batched(info) or rank is None or r is None:
+    if not B.batched(info) or rank is None or r is None:
       continue
     contracted = r - 1 if (k == 0) != adjoint[k] else r - 2
     if info.axis == contracted and G.several(t, info.axis):
-      return trace.CONTRACTS
+      return B.CONTRACTS
     axes.add(info.axis + rank - r if info.axis < r - 2 else rank - 2 + k)
-  return trace.CROSSES if len(axes) > 1 else None
+  return B.CROSSES if len(axes) > 1 else None
 
 
-def _mix_einsum(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+def _mix_einsum(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
   labels = einsum_labels(op)
   if labels is None:
     return None
   specs, out = labels
   labels = set()
   for t, spec, info in zip(op.inputs, specs, ins):
-    if trace.batched(info) and G.several(t, info.axis):
+    if B.batched(info) and G.several(t, info.axis):
       if spec[info.axis] not in out:
-        return trace.CONTRACTS
+        return B.CONTRACTS
       labels.add(spec[info.axis])
-  return trace.CROSSES if len(labels) > 1 else None
+  return B.CROSSES if len(labels) > 1 else None
 
 
-def _match_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+def _match_matmul(op: tf.Operation, var_input: tf.Tensor,
+                  an: interfaces.Analysis) -> Optional[str]:
   if (op.type != "MatMul" or not G.same(op.inputs[1], var_input) or G.same(op.inputs[0], var_input)
-      or op.get_attr("transpose_a") or (trace.batch_axis(op.inputs[0]) != 0
-                                        and trace.merged_rows(op.inputs[0]) is None
-                                        and rows.ragged_rows(op.inputs[0]) is None)):
+      or op.get_attr("transpose_a") or (an.batch_axis(op.inputs[0]) != 0
+                                        and an.merged_rows(op.inputs[0]) is None
+                                        and rows.ragged_rows(op.inputs[0], an) is None)):
     return None
   return "matmul"
 
@@ -152,28 +154,33 @@ def _provably_zero(t: tf.Tensor) -> bool:
       tf.nest.flatten(value))
 
 
-def _match_zero_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+def _match_zero_matmul(op: tf.Operation, var_input: tf.Tensor,
+                       an: interfaces.Analysis) -> Optional[str]:
+  del an
   if (op.type != "MatMul" or not G.same(op.inputs[1], var_input) or G.same(op.inputs[0], var_input)
       or op.get_attr("transpose_a") or not _provably_zero(op.inputs[0])):
     return None
   return "zero_matmul"
 
 
-def _zero_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def _zero_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
+                 an: interfaces.Analysis) -> F.Factor:
   """A MatMul of zeros adds nothing to any example's gradient, whatever its rows hold."""
+  del an
   rows, cols = var.shape
   zeros = lambda width: tf.zeros(tf.stack([m, 1, width]), var.dtype)
   return F.Outer(zeros(rows), zeros(cols), tuple(var.shape))
 
 
-def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable) -> F.Factor:
+def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
+                   an: interfaces.Analysis) -> F.Factor:
   """MatMul z = a·W (or a·Wᵀ): g = Σ_t a_tᵀ dz_t (or its transpose); time-major rows
   (`trace.merged_rows`) regrouped by example, a ragged argument's rows padded per microbatch."""
   # Widths from the kernel: Keras 3 reshapes a (B, T, K) input to a static (None, None).
   fan_in, fan_out = var.shape[::-1] if op.get_attr("transpose_b") else var.shape
   a = op.inputs[0]
-  splits = rows.ragged_rows(a)
-  sizes = None if trace.batch_axis(a) == 0 or splits else trace.merged_rows(a)
+  splits = rows.ragged_rows(a, an)
+  sizes = None if an.batch_axis(a) == 0 or splits else an.merged_rows(a)
   if splits:
     a, grad = rows.padded(a, splits, m), rows.padded(grad, splits, m)
   if sizes is not None:
@@ -184,11 +191,12 @@ def _matmul_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Vari
       a, d, tuple(var.shape))
 
 
-def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+def _match_bias_add(op: tf.Operation, var_input: tf.Tensor,
+                    an: interfaces.Analysis) -> Optional[str]:
   if op.type != "BiasAdd" or not G.same(op.inputs[1], var_input):
     return None
-  axis, rank = trace.batch_axis(op.inputs[0]), op.inputs[0].shape.rank
-  if rows.ragged_rows(op.inputs[0]) is not None and op.get_attr("data_format") != b"NCHW":
+  axis, rank = an.batch_axis(op.inputs[0]), op.inputs[0].shape.rank
+  if rows.ragged_rows(op.inputs[0], an) is not None and op.get_attr("data_format") != b"NCHW":
     return "bias_add"  # A ragged argument's rows (N, ..., C): the bias on the last axis.
   if axis is None or (axis != 0 and (op.get_attr("data_format") == b"NCHW" or rank is None
                                      or axis == rank - 1)):  # Not the bias's own axis.
@@ -197,16 +205,16 @@ def _match_bias_add(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
 
 
 def _bias_add_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                     var: tf.Variable) -> F.Factor:
+                     var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """BiasAdd: g = Σ_t dz_t (examples on any axis of channels-last data, or a ragged argument's
   rows padded per microbatch)."""
-  splits = rows.ragged_rows(op.inputs[0])
+  splits = rows.ragged_rows(op.inputs[0], an)
   if splits:
     grad = rows.padded(grad, splits, m)
   elif op.get_attr("data_format") == b"NCHW":
     grad = tf.experimental.numpy.moveaxis(grad, 1, -1)
   else:
-    grad = rows.examples_first(grad, trace.batch_axis(op.inputs[0]))
+    grad = rows.examples_first(grad, an.batch_axis(op.inputs[0]))
   # The bias may be a squeezed read (a one-head attention's (1, D) bias): its width is its size.
   return F.row_sum(rows.rows(grad, m, var.shape.num_elements(), var.dtype), tuple(var.shape))
 
@@ -230,7 +238,8 @@ class Einsum:
   w_perm: Optional[tuple[int, ...]] = None
 
 
-def einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[Einsum]:
+def einsum_use(op: tf.Operation, var_input: tf.Tensor,
+               an: interfaces.Analysis) -> Optional[Einsum]:
   if (op.type != "Einsum" or len(op.inputs) != 2 or not G.same(op.inputs[1], var_input)
       or G.same(op.inputs[0], var_input) or not var_input.shape.is_fully_defined()):
     return None
@@ -242,7 +251,7 @@ def einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[Einsum]:
   c = [a for a in w_spec if a in x_spec and a not in out]
   q = [a for a in w_spec if a not in x_spec]
   p = [a for a in x_spec if a not in w_spec]
-  axis = trace.batch_axis(op.inputs[0])
+  axis = an.batch_axis(op.inputs[0])
   if (any(len(set(spec)) != len(spec) for spec in (x_spec, w_spec, out))
       or sorted(out) != sorted(p + g + q) or len(w_spec) != var_input.shape.rank
       or axis is None or x_spec[axis] not in p):
@@ -258,31 +267,33 @@ def einsum_use(op: tf.Operation, var_input: tf.Tensor) -> Optional[Einsum]:
                  w_perm=tuple(order.index(a) for a in w_spec))
 
 
-def _match_einsum(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
-  return None if einsum_use(op, var_input) is None else "einsum"
+def _match_einsum(op: tf.Operation, var_input: tf.Tensor,
+                  an: interfaces.Analysis) -> Optional[str]:
+  return None if einsum_use(op, var_input, an) is None else "einsum"
 
 
-def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor) -> Optional[str]:
+def _match_batch_matmul(op: tf.Operation, var_input: tf.Tensor,
+                        an: interfaces.Analysis) -> Optional[str]:
   """BatchMatMul of x (…, T, K), its examples on any axis but K, and a 2-D kernel (Keras 3's
   EinsumDense)."""
   if (op.type not in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
       or not G.same(op.inputs[1], var_input) or G.same(op.inputs[0], var_input)
       or op.get_attr("adj_x") or var_input.shape.rank != 2
       or op.inputs[0].shape.rank is None or op.inputs[0].shape.rank < 2
-      or trace.batch_axis(op.inputs[0]) in (None, op.inputs[0].shape.rank - 1)):
+      or an.batch_axis(op.inputs[0]) in (None, op.inputs[0].shape.rank - 1)):
     return None
   return "batch_matmul"
 
 
 def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                        var: tf.Variable) -> F.Factor:
+                        var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
   """z = x·w over x's axes C and w's first (EinsumDense): g = Σ_t x_tᵀ dz_t over the rows t
   of the example's other axes, x_t flattened over C, dz_t over w's free axes."""
   x, w = op.inputs[0], op.inputs[1]
   transposed = op.type != "Einsum" and op.get_attr("adj_y")
   c = 1
   if op.type == "Einsum":
-    use = einsum_use(op, w)
+    use = einsum_use(op, w, an)
     x, grad, c = tf.transpose(x, use.x_perm), tf.transpose(grad, use.out_perm), use.contracted
     if use.layout is not None:
       return _grouped_einsum_factor(use, x, grad, m, var)
@@ -290,7 +301,7 @@ def _contraction_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
     if transposed:  # w = Q + C: its first rank − |C| axes are the free ones.
       c = w.shape.rank - c
   else:  # The output keeps x's leading axes: the examples' axis of both moved first.
-    axis = trace.batch_axis(x)
+    axis = an.batch_axis(x)
     x, grad = rows.examples_first(x, axis), rows.examples_first(grad, axis)
   sizes = w.shape.as_list()
   fan_in, fan_out = math.prod(sizes[:c]), math.prod(sizes[c:])
@@ -327,8 +338,10 @@ FAMILY.ops(_BATCH_MATMULS, axis=_batch_matmul, mix=_mix_batch_matmul)
 FAMILY.ops(["Einsum"], axis=_einsum, mix=_mix_einsum)
 FAMILY.ops(["BiasAdd"], axis=elementwise.broadcast, mix=elementwise.mix_broadcast, block_safe=True,
            pfor_wrong=_bias_pfor_wrong)
-FAMILY.factor("matmul", _match_matmul, _matmul_factor)
-FAMILY.factor("zero_matmul", _match_zero_matmul, _zero_factor)
-FAMILY.factor("bias_add", _match_bias_add, _bias_add_factor)
-FAMILY.factor("einsum", _match_einsum, _contraction_factor)
-FAMILY.factor("batch_matmul", _match_batch_matmul, _contraction_factor)
+# "matmul" before "zero_matmul": a MatMul of rows both batched and provably zero takes "matmul".
+FAMILY.factor("matmul", _match_matmul, _matmul_factor, priority=10, transposable=True)
+FAMILY.factor("zero_matmul", _match_zero_matmul, _zero_factor, priority=20)
+FAMILY.factor("bias_add", _match_bias_add, _bias_add_factor, priority=40, any_shape=True)
+FAMILY.factor("einsum", _match_einsum, _contraction_factor, priority=80, transposable=True)
+FAMILY.factor("batch_matmul", _match_batch_matmul, _contraction_factor, priority=90,
+              transposable=True)

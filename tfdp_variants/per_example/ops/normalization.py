@@ -7,15 +7,15 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
 from tfdp_variants.per_example.ops import registry
 
 
 FAMILY = registry.Family(__name__)
 
 
-def _fused_batch_norm(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _fused_batch_norm(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """Training mode normalizes over all axes but the channel: per-example only if that is the batch.
 
   Keras' LayerNormalization runs it on a (1, B·T, K, 1) NCHW reshape of its input.
@@ -28,9 +28,9 @@ def _fused_batch_norm(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
   return None
 
 
-def _mix_batch_norm(op: tf.Operation, ins: list[trace.Info]) -> Optional[str]:
+def _mix_batch_norm(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
   x = ins[0]
-  if not trace.batched(x) or not op.get_attr("is_training"):
+  if not B.batched(x) or not op.get_attr("is_training"):
     return None
   channel = 1 if op.get_attr("data_format") in (b"NCHW", b"NCDHW") else G.rank(op.inputs[0]) - 1
   return ("normalizes with statistics over the batch (batch normalization in training mode)"

@@ -7,7 +7,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.xla import in_xla
 
 
@@ -16,10 +16,10 @@ def rows(t: tf.Tensor, m: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
   return tf.reshape(tf.cast(t, dtype), [m, -1, width])
 
 
-def ragged_rows(t: tf.Tensor) -> Optional[list[tf.Tensor]]:
-  """`trace.ragged_rows(t)`, except under XLA, which compiles no padding to a length known only at
+def ragged_rows(t: tf.Tensor, an: interfaces.Analysis) -> Optional[list[tf.Tensor]]:
+  """`an.ragged_rows(t)`, except under XLA, which compiles no padding to a length known only at
   run time (RaggedTensorToTensor): there the variable keeps the exact fallback."""
-  return None if in_xla(t.graph) else trace.ragged_rows(t)
+  return None if in_xla(t.graph) else an.ragged_rows(t)
 
 
 def padded(t: tf.Tensor, splits: list[tf.Tensor], m: tf.Tensor, ids: bool = False) -> tf.Tensor:
@@ -55,6 +55,6 @@ def examples_first(t: tf.Tensor, axis: int) -> tf.Tensor:
 
 def unmerged(t: tf.Tensor, sizes: tuple[int, ...], width: int) -> tf.Tensor:
   """Rows (S·B, width) whose axis 0 merges static axes of `sizes` with the examples' axis after
-  them (`trace.merged_rows`: a `tf.tensordot` of time-major data, as Dense runs on it), as
+  them (`trace.Analysis.merged_rows`: a `tf.tensordot` of time-major data, as Dense runs on it), as
   (B, S, width)."""
   return examples_first(tf.reshape(t, [*sizes, -1, width]), len(sizes))

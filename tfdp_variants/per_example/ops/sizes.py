@@ -10,8 +10,8 @@ from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
 
 
 class Size(NamedTuple):
@@ -36,7 +36,7 @@ def entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> Size:
   if op.type == "Shape":
     t = op.inputs[0]
     info, size = memo.get(t.name), t.shape
-    proven = trace.batched(info) and (info.axis, info.block) == (i, block)
+    proven = B.batched(info) and (info.axis, info.block) == (i, block)
     return Size(info.rows if proven else None,
                 size[i] if size.rank is not None and i < size.rank else None, (t, i))
   if op.type == "Const":

@@ -10,8 +10,9 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import graph as G
-from tfdp_variants.per_example import trace
+from tfdp_variants.per_example import interfaces
 from tfdp_variants.per_example.ops import elementwise
 from tfdp_variants.per_example.ops import registry
 
@@ -19,7 +20,7 @@ from tfdp_variants.per_example.ops import registry
 FAMILY = registry.Family(__name__)
 
 
-def _lookup(op: tf.Operation, ins: list[trace.Info]) -> trace.Info:
+def _lookup(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """LookupTableFindV2(table, keys, default): each key's value, keys' shape. The table is a
   resource read, not data: its writers in the step (`_TABLE_WRITES`) are followed as a
   variable's assignments are (`trace._assigned`), so a table filled from the batch mixes."""
@@ -54,50 +55,50 @@ def _fixed_size(t: tf.Tensor) -> bool:
   return lo == hi
 
 
-def _counted(op: tf.Operation, ins: list[trace.Info], data: list[int], size: int,
-             rows: Callable[[], trace.Info]) -> list[trace.Info]:
+def _counted(op: tf.Operation, ins: list[B.Info], data: list[int], size: int,
+             rows: Callable[[], B.Info]) -> list[B.Info]:
   """The outputs of a bincount from its inputs' infos: the data inputs' (`data`), and the size's
   unless fixed (`_fixed_size`), mixed or unknown as they are; else `rows()`, the counts' info."""
   used = [ins[k] for k in data] + ([] if _fixed_size(op.inputs[size]) else [ins[size]])
-  mixed = next((i for i in used if isinstance(i, trace.Mixed)), None)
+  mixed = next((i for i in used if isinstance(i, B.Mixed)), None)
   if mixed is not None:
     return [mixed]
   if any(i is None for i in used):
     return [None]
-  return [trace.NO_BATCH if all(i.axis is None for i in used) else rows()]
+  return [B.NO_BATCH if all(i.axis is None for i in used) else rows()]
 
 
-def _dense_bincount(op: tf.Operation, ins: list[trace.Info]) -> list[trace.Info]:
+def _dense_bincount(op: tf.Operation, ins: list[B.Info]) -> list[B.Info]:
   """DenseBincount(x, size, weights): a rank-2 x counts each row alone (row i of the output from
   row i of x and of the weights): per example with the examples on axis 0; counts over the batch
   axis (a rank-1 x, the examples on axis 1) mix them."""
   x, weights = ins[0], ins[2]
 
-  def rows() -> trace.Info:
-    if not trace.batched(x):
+  def rows() -> B.Info:
+    if not B.batched(x):
       return None  # Batched weights over unbatched ids: not a layout the rule knows.
     if x.axis != 0 or G.rank(op.inputs[0]) != 2:
-      return trace.Mixed(op, "counts values over the batch axis")
+      return B.Mixed(op, "counts values over the batch axis")
     return x if weights.axis is None or (weights.axis, weights.block) == (0, x.block) else None
 
   return _counted(op, ins, [0, 2], 1, rows)
 
 
-def _ragged_bincount(op: tf.Operation, ins: list[trace.Info]) -> list[trace.Info]:
+def _ragged_bincount(op: tf.Operation, ins: list[B.Info]) -> list[B.Info]:
   """RaggedBincount(splits, values, size, weights): row r counts the values of row r. Per example
-  where the values are a ragged argument's or a string split's rows (`trace.RAGGED`) and the
+  where the values are a ragged argument's or a string split's rows (`B.RAGGED`) and the
   splits are the innermost of those that partition them into examples: the output's rows are
   then the rows of the splits outside them, or the examples."""
   values = ins[1]
 
-  def rows() -> trace.Info:
-    inner = G.tensor_named(op.graph, values.block[-1]) if trace.is_ragged(values) and len(
+  def rows() -> B.Info:
+    inner = G.tensor_named(op.graph, values.block[-1]) if B.is_ragged(values) and len(
         values.block) > 1 else None
     if inner is None or not G.same(op.inputs[0], inner) or ins[3].axis is not None and (
         ins[3] != values):
       return None
     outer = values.block[:-1]
-    return trace.Batch(0, outer if len(outer) > 1 else ())
+    return B.Batch(0, outer if len(outer) > 1 else ())
 
   return _counted(op, ins, [1, 3], 2, rows)
 
@@ -127,37 +128,38 @@ def _near(op: tf.Operation, depth: int = 12) -> list[tf.Tensor]:
   return found
 
 
-def _split(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+def _split(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+           ) -> Optional[list[B.Info]]:
   """StringSplitV2(s, sep) of one string per example (s (B,), the batch on axis 0): the tokens
   (values) are rows in example order, which the row splits `tf.strings.split` computes from the
-  indices partition into examples: the values are a ragged batch (`trace.RAGGED`) keyed by those
+  indices partition into examples: the values are a ragged batch (`B.RAGGED`) keyed by those
   splits, found in the graph and proven by their ops (`G.computes`). The indices and the dense
   shape (its second entry, the longest example's length, depends on every example) stay
   unknown: only the rules below read them, as the row ids and row count of those same rows."""
-  del memo
+  del memo, an
   parts = _parts(op)
-  if ins[0] != trace.DATA or parts is None:
+  if ins[0] != B.DATA or parts is None:
     return None
   splits = next((t for t in _near(op) if G.computes(t, parts[0], op.inputs[0])), None)
-  values = None if splits is None else trace.Batch(0, (*trace.RAGGED, splits.name))
+  values = None if splits is None else B.Batch(0, (*B.RAGGED, splits.name))
   return [None, values, None]
 
 
-def _splitter(values: trace.Info, graph: tf.Graph) -> Optional[tf.Operation]:
+def _splitter(values: B.Info, graph: tf.Graph) -> Optional[tf.Operation]:
   """The StringSplitV2 whose tokens `values` are (its splits' computation holds it)."""
-  if not trace.is_ragged(values) or len(values.block) != 2:
+  if not B.is_ragged(values) or len(values.block) != 2:
     return None
   splits = G.tensor_named(graph, values.block[1])
   return None if splits is None else next(
       (a for a in G.ancestors(splits) if a.type == "StringSplitV2"), None)
 
 
-def _to_tensor(op: tf.Operation, ins: list[trace.Info],
-               memo: dict) -> Optional[list[trace.Info]]:
+def _to_tensor(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+               ) -> Optional[list[B.Info]]:
   """RaggedTensorToTensor of a string split's tokens by the split's own row count and value row
   ids (TextVectorization's int output, padded or truncated to its sequence length): row r of
   the output holds example r's tokens (or the default) alone."""
-  del memo
+  del memo, an
   split = _splitter(ins[1], op.graph)
   types = [t.decode() if isinstance(t, bytes) else t for t in op.get_attr("row_partition_types")]
   shape = G.constant_value(op.inputs[0])
@@ -167,23 +169,25 @@ def _to_tensor(op: tf.Operation, ins: list[trace.Info],
   _, rowids, nrows = _parts(split)
   source = split.inputs[0]
   if G.computes(op.inputs[3], nrows, source) and G.computes(op.inputs[4], rowids, source):
-    return [trace.Batch(0)]
+    return [B.Batch(0)]
   return None
 
 
-def _crossed(op: tf.Operation, ins: list[trace.Info], memo: dict) -> Optional[list[trace.Info]]:
+def _crossed(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfaces.Analysis
+             ) -> Optional[list[B.Info]]:
   """SparseToDense of a SparseCross of dense features alone (HashedCrossing): the cross's row r
   crosses row r of each feature, so with every feature's examples on axis 0 (one row each), row
   r of the dense result is example r's alone; every row holds as many crosses (the product of
   the features' widths), so the dense width depends on no example."""
+  del an
   cross = op.inputs[0].op
   if (cross.type != "SparseCross" or cross.get_attr("N") or [t.op for t in op.inputs[1:3]] != [
       cross] * 2 or [t.value_index for t in op.inputs[:3]] != [0, 2, 1]
       or ins[3].axis is not None):
     return None
   features = [memo.get(t.name) for t in cross.inputs]
-  if features and all(f == trace.DATA and G.rank(t) == 2 for f, t in zip(features, cross.inputs)):
-    return [trace.Batch(0)]
+  if features and all(f == B.DATA and G.rank(t) == 2 for f, t in zip(features, cross.inputs)):
+    return [B.Batch(0)]
   return None
 
 
