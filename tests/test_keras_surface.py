@@ -317,6 +317,8 @@ NOT_ALONE = {
     "TorchModuleWrapper": "wraps a torch.nn.Module: the PyTorch backend alone",
     "TFSMLayer": "loads a SavedModel from disk for inference: no layer code of its own",
     "MaxNumBoundingBoxes": "pads bounding-box annotations (labels), not the model's inputs",
+    "AugMix": "draws its operations with Python's random as it traces, so a trace holds "
+              "Equalization or not: test_aug_mix_mixes_when_its_trace_draws_equalization",
 }
 
 # Layers that draw at random in training (or, SpectralNormalization, update a state from the
@@ -348,6 +350,11 @@ MIXES: dict[str, str] = {
     "Hinge": "examples are mixed.*hinge/All", "hinge": "examples are mixed.*hinge/All",
     "SquaredHinge": "examples are mixed.*hinge/All",
     "squared_hinge": "examples are mixed.*hinge/All",
+    # Keras 3's Equalization counts one histogram over the whole batch's pixels (its bincount of
+    # the channel reshaped to [-1]) and equalizes every image with it; RandAugment and AugMix
+    # apply it among their operations (test_equalization_uses_the_batch_histogram; AugMix:
+    # test_aug_mix_mixes_when_its_trace_draws_equalization).
+    **{name: "examples are mixed.*bincount" for name in ("Equalization", "RandAugment")},
     # axis=None: one ratio of sums over the whole batch (then no reduction="none" helps).
     **{name: "examples are mixed by the loss.*axis=-1" for name in ("Dice", "dice", "Tversky",
                                                                     "tversky")},
@@ -355,15 +362,11 @@ MIXES: dict[str, str] = {
 
 # Refused today although nothing mixes (SPEC §6 defects): the case's name → why it does not mix.
 # Strict xfails: a fix fails here, telling you to move the case out of this table.
-_SIZE_ONLY = "a batch-wide Max that only sizes a bincount whose length is fixed anyway"
 KNOWN_WALLS: dict[str, str] = {
-    "AugMix": _SIZE_ONLY,
     "ContrastLimitedAdaptiveHistogramEqualization":
         "each image alone; refused at a GatherV2 of the tiles' histograms by flat index",
     "CTC": "CTC of each sequence alone", "ctc": "CTC of each sequence alone",
     "MelSpectrogram[power]": "framing and FFT of each signal alone",
-    "Equalization": _SIZE_ONLY,
-    "RandAugment": _SIZE_ONLY,
     "RandomElasticTransform": "cannot prove at a StridedSlice: each image is warped alone",
 }
 
@@ -626,3 +629,31 @@ def test_loss(name):
   model = _head(activation, sequence=kind == "labels")
   _step(model, loss_fn, _rng().normal(size=(B, 3)).astype("float32"), _targets(kind),
         _refusal(name))
+
+
+def test_equalization_uses_the_batch_histogram():
+  """Why Equalization (and RandAugment, AugMix, which apply it) is in MIXES: an image equalized in
+  a batch differs from the same image equalized alone when the other images differ."""
+  images = _rng().uniform(0, 255, (4, 8, 8, 3)).astype("float32")
+  images[1] *= 0.3
+  layer = L.Equalization()
+  in_batch = np.asarray(layer(images, training=True))[0]
+  alone = np.asarray(layer(images[:1], training=True))[0]
+  assert np.abs(in_batch - alone).max() > 1.0
+
+
+@pytest.mark.parametrize("operations,mixes", [(["equalization"], "examples are mixed.*bincount"),
+                                              (["random_contrast"], "")])
+def test_aug_mix_mixes_when_its_trace_draws_equalization(operations, mixes, monkeypatch):
+  """AugMix draws each chain's operations with Python's `random` while it traces: a step whose
+  graph holds Equalization is refused as mixing, one without it trains exactly (fit and a custom
+  loop then agree for the same draw; they differed only by drawing differently). Here every draw
+  is the first operation, so the reference pass and the step's trace apply the same ones."""
+  import random  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(random, "choice", lambda options: options[0])
+  keras.utils.set_random_seed(0)
+  model, x = IMAGE8(L.AugMix(**_IMG))
+  aug_mix = next(layer for layer in model.layers if isinstance(layer, L.AugMix))
+  aug_mix._augment_layers = operations  # pylint: disable=protected-access
+  y = _rng().normal(size=(B, 2)).astype("float32")
+  _step(model, _MSE, x, y, mixes, random=True)
