@@ -158,6 +158,7 @@ class _Accountant(tf.keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     self._optimizer = _dp_optimizer(self.model, type(self).__name__)
     who = type(self).__name__
+    self.sampling = self.sampling.taken_by(self._optimizer)
     self.sampling.check_optimizer(self._optimizer.expected_batch_size, who)
     inputs = stack.fit_inputs(self.model)
     if inputs is not None:
@@ -257,7 +258,7 @@ class PrivacyLogger(_Accountant):
 
   def _register(self) -> None:
     super()._register()  # The optimizer is built: every algorithm can state its events.
-    if not self.sampling.amplified and not self._hinted:
+    if not (self.sampling.amplified or self._hinted or self.sampling.physical_per_step > 1):
       self._hinted = True
       self._hint_poisson()
 

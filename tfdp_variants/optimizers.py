@@ -24,6 +24,7 @@ from typing import ClassVar, Optional
 import tensorflow as tf
 
 from tfdp_variants import algorithms
+from tfdp_variants import logical_batch
 from tfdp_variants import per_example
 from tfdp_variants import private_step
 from tfdp_variants import replicas
@@ -39,9 +40,9 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     l2_norm_clip: C, the bound on each microbatch gradient's L2 norm.
     noise_multiplier: σ; the noise added to the sum of clipped gradients has std σC.
     num_microbatches: M; None means one microbatch per example. The batch size must divide by it.
-    expected_batch_size: for Poisson sampling, the expected batch size q·N (Opacus' name): the
-      noised sum is divided by it, not by the realized batch size, which the update would reveal
-      un-noised. Needs num_microbatches None (a Poisson batch cannot be split into equal parts).
+    expected_batch_size: for Poisson sampling, the expected batch size q·N (Opacus' name; of the
+      logical batch under gradient_accumulation_steps): the noised sum is divided by it, not by the
+      realized size, which the update would reveal un-noised. Needs num_microbatches None.
     noise_seed: None (default): the noise is secret, from OS entropy (`tfdp_variants.mechanism.noise`). An
       int makes it reproducible, for debugging only: then `privacy_guarantee` is "none" and the
       certified event None, since anyone who knows the seed can remove the noise.
@@ -49,11 +50,13 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       ones and refuse models that mix examples (`per_example.self_check`); its steady-state cost
       is one variable read and a `tf.cond`. Under XLA (`jit_compile`), which cannot raise in a
       step, a failure makes every later update NaN and the privacy callbacks raise.
-    **kwargs: the algorithm's options, then the base optimizer's arguments (learning_rate, ...).
+    **kwargs: the algorithm's options, then the base optimizer's (learning_rate, ...). Keras 3's
+      gradient_accumulation_steps=k makes k physical batches one logical batch, noised once and
+      one step (`tfdp_variants.logical_batch`).
 
   Attributes:
-    dp_steps: an int64 variable counting privatized steps, incremented in the graph of each step
-      (every step of a `steps_per_execution` loop) and saved with the optimizer's state.
+    dp_steps: an int64 variable counting privatized (logical) steps, incremented in the graph of
+      each step (every step of a `steps_per_execution` loop) and saved with the optimizer.
     dp_ledger: the segments of those steps, each with the sampling and events it ran under, saved
       likewise (`tfdp_variants.mechanism.ledger.segments`; the privacy callbacks open them).
 
@@ -79,7 +82,8 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     options.update({k: kwargs.pop(k) for k in algorithms.options_of(self.algorithm_cls) if k in kwargs})
     algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options,
                                    expected_batch_size=expected_batch_size, noise_seed=noise_seed)
-    step = private_step.PrivateStep(algorithm, num_microbatches, self_check, type(self).__name__)
+    k = logical_batch.steps_of(type(self), kwargs, algorithm, type(self).__name__)
+    step = private_step.PrivateStep(algorithm, num_microbatches, self_check, type(self).__name__, k)
     if noise_seed is not None:
       warnings.warn(f"{type(self).__name__}: noise_seed={noise_seed} makes the DP noise "
                     "reproducible by anyone who knows the seed, who can then remove it: no privacy "
@@ -87,14 +91,12 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
                     "debug; leave noise_seed None to train privately.", stacklevel=2)
     kwargs.setdefault("name", type(self).__name__)
     super().__init__(**kwargs)
-    self.algorithm = algorithm
-    self._dp = step
+    self.algorithm, self._dp = algorithm, step
     self.l2_norm_clip, self.noise_multiplier = algorithm.l2_norm_clip, algorithm.noise_multiplier
     self.privacy_guarantee = "none" if noise_seed is not None else algorithm.privacy_guarantee
     self.num_microbatches = num_microbatches
     self.expected_batch_size = algorithm.expected_batch_size
-    self.noise_seed = noise_seed
-    self.self_check = self_check
+    self.noise_seed, self.self_check = noise_seed, self_check
     self.dp_steps = self.dp_ledger = None  # tf.Variables made by `_build_algorithm`.
 
   @property

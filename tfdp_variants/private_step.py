@@ -23,6 +23,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdp_variants import algorithms
+from tfdp_variants import logical_batch
 from tfdp_variants import per_example
 from tfdp_variants import replicas
 from tfdp_variants import stack
@@ -108,9 +109,12 @@ class PrivateStep:
     num_microbatches: M; None means one microbatch per example.
     self_check: run the engine's self-check on the first step after each trace.
     owner: the optimizer's class name, for messages.
+    accumulation_steps: k, the physical batches of a logical batch, noised once
+      (`logical_batch`); 1: each batch is a step.
 
   Attributes:
-    steps: the int64 counter of privatized steps (made by `build`).
+    steps: the int64 counter of privatized steps (logical ones), made by `build`.
+    logical: the `logical_batch.LogicalBatch` accumulator when k > 1 (made by `build`).
     rules: the per-example rule each variable took in the last traced step.
     self_check_flags: the self-check's flag of each trace that runs it in the step.
     release_hook: None, or a function each step calls, in its graph, with the privatized gradients
@@ -119,7 +123,7 @@ class PrivateStep:
   """
 
   def __init__(self, algorithm: algorithms.Algorithm, num_microbatches: Optional[int],
-               self_check: bool, owner: str):
+               self_check: bool, owner: str, accumulation_steps: int = 1):
     if num_microbatches is not None and not (isinstance(num_microbatches, int)
                                              and num_microbatches > 0):
       raise ValueError(f"num_microbatches must be a positive int or None, got "
@@ -133,7 +137,9 @@ class PrivateStep:
     self.num_microbatches = num_microbatches
     self.self_check = self_check
     self.owner = owner
+    self.accumulation_steps = accumulation_steps
     self.steps: Optional[tf.Variable] = None
+    self.logical: Optional[logical_batch.LogicalBatch] = None
     self.rules: Optional[tuple[str, ...]] = None
     self._released: dict[int, Released] = {}  # By thread: a replica's (MirroredStrategy).
     self.self_check_flags: list[tf.Variable] = []  # One per trace that checks (`self_check`).
@@ -155,9 +161,12 @@ class PrivateStep:
                                       num_layers=num_layers, num_parameters=num_parameters)
 
   def build(self, variables: list[tf.Variable], add_state: algorithms.AddState) -> tf.Variable:
-    """The algorithm's state, then the step counter, made with `add_state` (once)."""
+    """The algorithm's state, the step counter, then the logical batch's accumulator (k > 1),
+    made with `add_state` (once)."""
     self.algorithm.build(variables, add_state)
     self.steps = add_state("dp_steps", tf.constant(0, tf.int64))
+    if self.accumulation_steps > 1:
+      self.logical = logical_batch.LogicalBatch(variables, add_state, self.accumulation_steps)
     return self.steps
 
   def raise_if_self_check_failed(self) -> None:
@@ -233,7 +242,10 @@ class PrivateStep:
 
   def _privatize(self, grads: per_example.PerExampleGradients) -> list[tf.Tensor]:
     """The algorithm's noised step; `steps` counts it in the same graph, once its noise is
-    drawn (not before: a call whose data never arrives, e.g. an exhausted iterator, counts none)."""
+    drawn (not before: a call whose data never arrives, e.g. an exhausted iterator, counts none).
+    With logical batches, the accumulator's stage: zeros until the last physical batch."""
+    if self.logical is not None:
+      return self.logical(self.algorithm, grads, self.steps)
     privatized = self.algorithm(grads)
     with tf.control_dependencies(privatized):  # A stateful op: tf.function always runs it.
       self.steps.assign_add(1)

@@ -21,6 +21,7 @@ import dp_accounting
 import tensorflow as tf
 
 from tfdp_variants import replicas
+from tfdp_variants import transforms
 from tfdp_variants import validation
 from tfdp_variants.mechanism import accounting
 from tfdp_variants.mechanism import noise
@@ -92,6 +93,9 @@ class Algorithm:
   class_prefix: ClassVar[str]  # Optimizer class names are class_prefix + base name, e.g. DPAdam.
   privacy_guarantee: str = "certified"
   certified_mode: ClassVar[str] = ""  # The options that make an uncertified algorithm certified.
+  # Whether the step is `mean(gradient_query(clipped_sum(grads), C))`, the Gaussian mechanism on
+  # the clipped sum with no state from noised values: what a logical batch accumulates.
+  sums_then_noises: bool = False
 
   def __init__(self, l2_norm_clip: float, noise_multiplier: float, *,
                expected_batch_size: Optional[float] = None, noise_seed: Optional[int] = None):
@@ -125,6 +129,10 @@ class Algorithm:
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     raise NotImplementedError
+
+  def clipped_sum(self, grads: PerExampleGradients) -> list[tf.Tensor]:
+    """Σ_m clip(g_m, C), the norm over all variables together."""
+    return transforms.flat_clipped_sum(grads, self.l2_norm_clip)
 
   def mean(self, noised: Sequence[tf.Tensor], grads: PerExampleGradients) -> list[tf.Tensor]:
     """The noised sum over `denominator`; under a strategy, this replica's share of

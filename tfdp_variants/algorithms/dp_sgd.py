@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdp_variants import transforms
 from tfdp_variants.algorithms import base
 from tfdp_variants.per_example import PerExampleGradients
 
@@ -20,7 +19,7 @@ class DPSGD(base.Algorithm):
 
   name = "dpsgd"
   class_prefix = "DP"
+  sums_then_noises = True
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
-    summed = transforms.flat_clipped_sum(grads, self.l2_norm_clip)
-    return self.mean(self.gradient_query(summed, self.l2_norm_clip), grads)
+    return self.mean(self.gradient_query(self.clipped_sum(grads), self.l2_norm_clip), grads)

@@ -132,6 +132,7 @@ class NoisyGradient(base.Algorithm):
     self.noise_sampling = noise_sampling
     self.chunk_size = chunk_size
     self.privacy_guarantee = "none" if order == "noise_then_clip" else "certified"
+    self.sums_then_noises = order == "clip_then_noise"
 
   def get_config(self) -> dict:
     return {"order": self.order, "noise_sampling": self.noise_sampling,
@@ -139,8 +140,7 @@ class NoisyGradient(base.Algorithm):
 
   def __call__(self, grads: PerExampleGradients) -> list[tf.Tensor]:
     if self.order == "clip_then_noise":  # DP-SGD (Section 4.2).
-      summed = transforms.flat_clipped_sum(grads, self.l2_norm_clip)
-      return self.mean(self.gradient_query(summed, self.l2_norm_clip), grads)
+      return self.mean(self.gradient_query(self.clipped_sum(grads), self.l2_norm_clip), grads)
     if self.noise_sampling == "projected":
       summed = self._projected_noised_clipped_sum(grads)
     else:

@@ -80,6 +80,7 @@ def segment_events(step: StepEvents, sampling: Sampling, variables
 
 
 def _segment(optimizer: StepEvents, sampling: Sampling, steps: int, variables) -> Segment:
+  sampling = sampling.taken_by(optimizer)  # Logical batches: k physical ones a step.
   return Segment(0, steps, sampling, *segment_events(optimizer, sampling, variables))
 
 

@@ -114,6 +114,9 @@ class Sampling:
     repeat_before_batch: shuffle only: one endless stream of passes (`shuffle().repeat().batch()`),
       whose batches straddle passes (see `certified_event`); set from the pipeline fit gets.
     drop_remainder: shuffle only: each pass drops its last partial batch (N // B steps a pass).
+    physical_per_step: k, the physical batches (of `batch_size`) of one step: the optimizer's
+      `gradient_accumulation_steps`, whose logical batch of k is noised once and is one step
+      (`tfdp_variants.logical_batch`); shuffle only. The privacy callbacks set it.
   """
 
   KIND: ClassVar[str] = ""
@@ -131,6 +134,7 @@ class Sampling:
   secret: bool = True
   repeat_before_batch: bool = False
   drop_remainder: bool = False
+  physical_per_step: int = 1
 
   def __new__(cls, kind: Optional[str] = None, *args, **kwargs):
     del args, kwargs
@@ -151,11 +155,13 @@ class Sampling:
                        f"{self.batch_size!r}, num_examples={self.num_examples!r}: the training "
                        "set's size and the batch size given to fit (for Poisson sampling, the "
                        "expected one).")
+    if not (isinstance(self.physical_per_step, int) and self.physical_per_step >= 1):
+      raise ValueError(f"physical_per_step must be an int >= 1, got {self.physical_per_step!r}.")
 
   @property
   def sampling_probability(self) -> float:
-    """q = batch_size / N."""
-    return self.batch_size / self.num_examples
+    """q = k·batch_size / N, a step's (logical) batch over the training set."""
+    return self.physical_per_step * self.batch_size / self.num_examples
 
   @property
   def expected_batch_size(self) -> Optional[float]:
@@ -164,6 +170,15 @@ class Sampling:
 
   def check_optimizer(self, expected_batch_size: Optional[float], who: str) -> None:
     """Refuses an optimizer whose division does not fit the scheme (none by default)."""
+
+  def taken_by(self, step: StepEvents) -> "Sampling":
+    """This scheme's batches as `step`'s steps take them: a Keras optimizer's
+    `gradient_accumulation_steps` (k, None: 1) a step (`physical_per_step`); a plan, as stated."""
+    if not hasattr(step, "gradient_accumulation_steps"):
+      return self
+    k = step.gradient_accumulation_steps or 1
+    return self if k == self.physical_per_step else dataclasses.replace(self,
+                                                                        physical_per_step=k)
 
   def of_fit(self, x, batch_size: Optional[int], validation_split: float,
              who: str) -> "Sampling":
@@ -221,6 +236,13 @@ class PoissonSampling(Sampling):
     if self.repeat_before_batch or self.drop_remainder:
       raise ValueError("repeat_before_batch and drop_remainder describe shuffled batches; Poisson "
                        "batches come from tfdp_variants.data.poisson_dataset.")
+    if self.physical_per_step != 1:
+      raise ValueError(
+          f"Poisson sampling with gradient_accumulation_steps={self.physical_per_step}: each "
+          "physical batch of tfdp_variants.data.poisson_dataset is a Poisson sample of its own, so "
+          "a logical batch of several is no Poisson sample (an example may be in more than one) "
+          "and has no certified ε here. Train without gradient_accumulation_steps (a larger "
+          "expected batch), or on shuffled batches (sampling=\"shuffle\").")
 
   @property
   def steps_per_epoch(self) -> int:
@@ -267,24 +289,49 @@ class ShuffledBatches(Sampling):
   neighboring_relation = dp_accounting.NeighboringRelation.REPLACE_ONE
   adjacency = "replace one example"
 
+  def __post_init__(self):
+    super().__post_init__()
+    k = self.physical_per_step
+    if k > (self.num_examples // int(self.batch_size) if self.repeat_before_batch
+            else self._physical_steps_per_epoch):
+      raise ValueError(f"A logical batch of {k} physical batches of {self.batch_size:g} holds more "
+                       f"than a pass over the {self.num_examples} examples (an example could be "
+                       "in it three times): lower gradient_accumulation_steps.")
+
   @property
-  def steps_per_epoch(self) -> int:
+  def _physical_steps_per_epoch(self) -> int:
     """ceil(N / B) (N // B dropping remainders)."""
     if self.drop_remainder:
       return self.num_examples // int(self.batch_size)
     return math.ceil(self.num_examples / self.batch_size)
 
+  @property
+  def steps_per_epoch(self) -> int:
+    """ceil(N / B) (N // B dropping remainders); of k physical batches a step, a k-th of that,
+    rounded up."""
+    return math.ceil(self._physical_steps_per_epoch / self.physical_per_step)
+
+  @property
+  def straddles(self) -> bool:
+    """Whether a step's batch can span two passes: one stream of passes, or logical batches
+    whose k does not divide a pass' physical batches."""
+    return self.repeat_before_batch or self._physical_steps_per_epoch % self.physical_per_step != 0
+
   def passes(self, steps: int) -> int:
-    """Passes over the data that `steps` steps, from a pass' start, touch: an example takes part
-    once in each. Batched passes: ceil(steps / steps_per_epoch) (a started pass counts whole); one
-    stream of passes cut into batches: ceil(steps·B / N)."""
+    """Passes over the data that `steps` steps (k·steps physical ones), from a pass' start,
+    touch: an example takes part once in each. Batched passes: ceil(k·steps / physical steps a
+    pass) (a started pass counts whole); one stream of passes cut into batches: ceil(k·steps·B /
+    N)."""
+    physical = steps * self.physical_per_step
     if self.repeat_before_batch:
-      return math.ceil(steps * self.batch_size / self.num_examples)
-    return math.ceil(steps / self.steps_per_epoch)
+      return math.ceil(physical * self.batch_size / self.num_examples)
+    return math.ceil(physical / self._physical_steps_per_epoch)
 
   def describe(self) -> str:
-    straddle = ", batches straddle passes" if self.repeat_before_batch else ""
-    return f"shuffled batches, replace one example, no amplification{straddle}"
+    straddle = ", batches straddle passes" if self.straddles else ""
+    logical = (f", logical batches of {self.physical_per_step}" if self.physical_per_step > 1
+               else "")
+    return f"shuffled batches, replace one example, no amplification{logical}{straddle}"
 
   def step_events(self, step: StepEvents, sizes: dict[str, int]
                   ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
@@ -296,15 +343,16 @@ class ShuffledBatches(Sampling):
   def certified_event(self, unit: dp_accounting.DpEvent, steps: int) -> dp_accounting.DpEvent:
     """Each pass over the data is one participation of each example, `passes(steps)` in all.
 
-    With `repeat()` before `batch()` a batch that straddles two passes can hold an example twice
-    (B ≤ N, so never three times): then that step's sums change by twice one participation's bound
-    (4C instead of 2C under replace-one), its Gaussian's σ halved (`accounting.scaled_sensitivity`),
-    which costs more than two separate participations (RDP grows with the square of the
-    sensitivity). Of P participations, consecutive passes can pair up at most ⌊P/2⌋ times, so the
-    worst case is ⌊P/2⌋ doubled steps and P mod 2 single ones.
+    With `repeat()` before `batch()`, or logical batches that straddle passes (`straddles`), a
+    step's batch that straddles two passes can hold an example twice (never three times: it holds
+    at most a pass, `__post_init__`): then that step's sums change by twice one participation's
+    bound (4C instead of 2C under replace-one), its Gaussian's σ halved
+    (`accounting.scaled_sensitivity`), which costs more than two separate participations (RDP
+    grows with the square of the sensitivity). Of P participations, consecutive passes can pair
+    up at most ⌊P/2⌋ times, so the worst case is ⌊P/2⌋ doubled steps and P mod 2 single ones.
     """
     passes = self.passes(steps)
-    if not self.repeat_before_batch:
+    if not self.straddles:
       return times(unit, passes)
     doubled = times(accounting.scaled_sensitivity(unit, 2), passes // 2)
     return dp_accounting.ComposedDpEvent([doubled, times(unit, passes % 2)])
