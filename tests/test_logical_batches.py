@@ -95,6 +95,15 @@ def test_dp_sgd_style_algorithms_only():
       cls(C, 1.0, gradient_accumulation_steps=K)
 
 
+@pytest.mark.keras3_only
+def test_the_audit_of_a_release_is_refused_with_logical_batches():
+  """The audit scores each step's release; with k > 1 the first k − 1 release zeros."""
+  x, y = _xy()
+  model = _model(1.0)
+  model.optimizer._dp.release_hook = lambda grads: None  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="Audit the optimizer without gradient_accumulation_steps"):
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+
 @pytest.mark.keras2_only
 def test_keras2_refuses_gradient_accumulation():
   with pytest.raises(ValueError, match="need Keras 3"):

@@ -279,6 +279,11 @@ class PrivateStep:
     trace.mark_released(privatized)
     self._released[threading.get_ident()] = Released(privatized, var_list, wrapper)
     if self.release_hook is not None:
+      if self.accumulation_steps > 1:  # It would take the zeros of a logical batch's first steps.
+        raise ValueError(f"{self.owner}: the audit reads each step's release, and with "
+                         f"{logical_batch.ARGUMENT}={self.accumulation_steps} a release is one "
+                         "logical batch of several steps. Audit the optimizer without "
+                         f"{logical_batch.ARGUMENT}.")
       self.release_hook(privatized)
     return list(zip(privatized, var_list))
 
