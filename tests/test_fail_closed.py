@@ -167,11 +167,10 @@ def test_custom_train_step_with_raw_gradients_is_refused():
 
 
 def test_loss_reduced_over_the_batch_is_refused():
+  """A custom loop's loss averaged over the batch: no per-example loss is left to clip."""
   x, y = _data()
-  scalar = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                         reduction="sum_over_batch_size")
   with pytest.raises(ValueError, match='loss is a scalar.*reduction="none"'):
-    _fit_one_step(_model(), x, y, loss=scalar)
+    tfdp_variants.per_example_gradients(_model(), lambda y, p: tf.reduce_mean(_loss()(y, p)), x, y)
 
 
 @pytest.mark.keras3_only

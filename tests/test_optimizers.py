@@ -160,12 +160,35 @@ def test_batch_normalization_is_refused():
     tfdp_variants.per_example_gradients(model, _loss(), np.ones((4, 4)), np.zeros(4))
 
 
-def test_scalar_loss_is_refused():
+@pytest.mark.parametrize("loss", [
+    "sparse_categorical_crossentropy",
+    tf.keras.losses.sparse_categorical_crossentropy,
+    tf.keras.losses.SparseCategoricalCrossentropy(),
+    tf.keras.losses.SparseCategoricalCrossentropy(reduction="sum")],
+    ids=["string", "function", "default_reduction", "sum"])
+def test_a_loss_keras_reduces_trains_per_example(loss):
+  """Compiled with a DP optimizer, any Keras loss is taken per example (its reduction is Keras'
+  to undo): the step equals the one of the same loss with reduction="none"."""
+  x, y = _data()
+  probs = lambda: tf.keras.Sequential([_model(), L.Softmax()])
+  want = probs()
+  want.compile(optimizer=tfdp_variants.DPSGD(1.0, 0.0, learning_rate=0.5), metrics=["accuracy"],
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(reduction="none"))
+  want.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  got = probs()
+  got.compile(optimizer=tfdp_variants.DPSGD(1.0, 0.0, learning_rate=0.5), loss=loss,
+              metrics=["accuracy"])
+  got.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+  for g, w in zip(got.get_weights(), want.get_weights()):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_that_reduces_over_the_batch_itself_is_refused():
   model = _model()
   model.compile(optimizer=tfdp_variants.DPSGD(1.0, 1.0),
-                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                loss=lambda y, p: tf.reduce_mean(_loss()(y, p)))
   x, y = _data()
-  with pytest.raises(ValueError, match='reduction="none"'):
+  with pytest.raises(ValueError, match="examples are mixed by the loss.*axis=-1"):
     model.fit(x, y, verbose=0)
 
 

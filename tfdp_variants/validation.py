@@ -33,23 +33,32 @@ def training_model() -> Optional[tf.keras.Model]:
 
 
 def check_per_example_loss(loss: tf.Tensor) -> None:
-  """Raises ValueError for a scalar loss: per-example losses are needed. A compiled loss that
-  already has reduction="none" reduces over the batch axis itself (Dice, Tversky with axis=None):
-  the message names it and the axis to give instead."""
-  if loss.shape.rank == 0:
-    compiled = getattr(training_model(), "loss", None)
-    if str(getattr(compiled, "reduction", "")).lower() in ("none", "reduction.none"):
-      raise ValueError(
-          f"examples are mixed by the loss: {type(compiled).__name__}(reduction=\"none\") "
-          "still gives one loss for the whole batch, because the loss itself reduces over the "
-          "batch axis, which puts every example into every gradient (Dice and Tversky with "
-          "axis=None sum over all axes, the batch's included). Give it the axes that exclude the batch axis, e.g. axis=-1, or "
-          "axis=(1, 2, 3) for (batch, height, width, channels) masks; reduction=\"none\" "
-          "alone does not help.")
+  """Raises ValueError for a scalar loss: per-example losses are needed. A DP model's compiled
+  loss is per example already (`stack.model_loss.per_example`), so a scalar there comes from a
+  loss that reduces over the batch axis in its own code (Dice and Tversky with axis=None, a
+  function ending in a mean over the batch): the message names it."""
+  if loss.shape.rank != 0:
+    return
+  compiled = getattr(training_model(), "loss", None)
+  if callable(compiled):
+    name = getattr(compiled, "fn", None) or compiled
+    name = getattr(name, "__name__", type(name).__name__)
+    config = compiled.get_config() if hasattr(compiled, "get_config") else {}
+    fix = ("Give it the axes that exclude the batch axis, e.g. axis=-1, or axis=(1, 2, 3) for "
+           "(batch, height, width, channels) masks" if "axis" in config else
+           "Return one value per example: reduce over the non-batch axes alone, e.g. "
+           "tf.reduce_mean(..., axis=-1)")
     raise ValueError(
-        "DP optimizers need one loss per example, but the loss is a scalar (already averaged "
-        "over the batch). Build the loss with reduction=\"none\", e.g. "
-        "tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=\"none\").")
+        f"examples are mixed by the loss: {name} gives one loss for the whole batch even "
+        "per example (reduction=\"none\"), because it reduces over the batch axis itself, "
+        f"which puts every example into every gradient (Dice and Tversky with axis=None sum "
+        f"over all axes, the batch's included). {fix}.")
+  raise ValueError(
+      "DP optimizers need one loss per example, but the loss is a scalar (already averaged "
+      "over the batch). Pass the per-example losses, before any mean over the batch: a Keras "
+      "loss with reduction=\"none\", e.g. "
+      "tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=\"none\"). "
+      "(In compile, any Keras loss is taken per example for you.)")
 
 
 def check_microbatches(loss: tf.Tensor, num_microbatches: int) -> list[tf.Operation]:

@@ -84,14 +84,20 @@ def unbind(model: keras.Model) -> None:
 
 @functools.wraps(running.keras_compile)
 def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
-  """Keras' compile; with a DP optimizer, binds the model (`bind`) and continues the ledger of
-  the model's earlier DP optimizer (`running.continue_ledger`); with another, unbinds it."""
+  """Keras' compile; with a DP optimizer, of each output's per-example loss
+  (`model_loss.per_example`), binding the model (`bind`) and continuing the ledger of the model's
+  earlier DP optimizer (`running.continue_ledger`); with another, unbinds it."""
   given = kwargs.get("optimizer", args[0] if args else None)  # Keras' first parameter.
   if not is_dp(given) and not isinstance(self, DPModel):
     return running.keras_compile(self, *args, **kwargs)
   previous = unwrap(getattr(self, "optimizer", None))
   if is_dp(given) and is_dp(previous) and previous is not unwrap(given):  # Before compiling.
     running.continue_ledger(unwrap(given), previous, self.trainable_variables)
+  if is_dp(given):  # Keras' second parameter: each output's loss, per example.
+    if len(args) > 1:
+      args = (args[0], model_loss.per_example(args[1]), *args[2:])
+    elif "loss" in kwargs:
+      kwargs["loss"] = model_loss.per_example(kwargs["loss"])
   result = running.keras_compile(self, *args, **kwargs)
   if is_dp(getattr(self, "optimizer", None)):
     bind(self)

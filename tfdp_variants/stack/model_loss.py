@@ -14,8 +14,10 @@ optimizer gets Keras' own method.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import re
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -72,6 +74,44 @@ def model_losses_left(model: Optional[keras.Model]) -> list[tf.Tensor]:
   if model is None or model not in cache.LOSSES_LEFT:
     return []
   return model.losses
+
+
+# Keras' wrapper of a loss function into a `Loss` (public on neither Keras: every built-in
+# function loss's class derives from it).
+_LossFunctionWrapper = keras.losses.MeanSquaredError.__mro__[1]
+# Keras 3 picks the crossentropy for these names from the labels' shapes at its first call.
+_CHOSEN_BY_SHAPES = ("crossentropy", "ce")
+
+
+def per_example(loss):
+  """The loss Keras compiles for a DP model: each output's loss with `reduction="none"`.
+
+  Keras reduces a compiled loss over the batch ("sum_over_batch_size" for strings, functions and
+  `Loss` objects by default); a DP optimizer needs the value each example has alone before that
+  reduction: exactly Keras' per-example loss, weighted by its sample weight, which the DP step
+  clips and averages in place of Keras' mean. Strings and functions are wrapped in Keras' own
+  `LossFunctionWrapper`, `Loss` objects copied with `reduction="none"`, so a `.keras` file holds
+  the per-example loss. A loss that reduces over the batch in its own code stays a scalar and is
+  refused at the first step (`validation.check_per_example_loss`).
+  """
+  def one(item):
+    if item is None or (isinstance(item, str) and item.lower() in _CHOSEN_BY_SHAPES):
+      return item
+    obj = keras.losses.get(item) if isinstance(item, str) else item
+    if isinstance(obj, keras.losses.Loss):
+      if str(obj.reduction).lower() in ("none", "reduction.none"):
+        return obj
+      obj = copy.copy(obj)
+      obj.reduction = "none"
+      return obj
+    if not callable(obj):
+      return item
+    name = item if isinstance(item, str) else getattr(obj, "__name__", "")
+    return _LossFunctionWrapper(obj, reduction="none", name=re.sub(r"\W", "", name) or "loss")
+
+  if isinstance(loss, (list, tuple, dict)):
+    return tf.nest.map_structure(one, loss)
+  return one(loss)
 
 
 def mean_reduced(loss):
