@@ -107,3 +107,20 @@ def test_sizes_as_shapes_train_exactly(route):
       v.assign_sub(LR * t / B)
   for got, want in zip(model.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("route", ["static_trace", "eager"])
+def test_poisson_step_traced_for_a_static_size_is_refused(route):
+  """Under Poisson sampling the batch count is the others' presence; a trace for a static size
+  folds it into constants (here `tf.shape(h)[0]` as a value), so any such step is refused."""
+  model = _model(_MIXING["batch_size"], "size_batch_size")
+  weights = model.get_weights()
+  optimizer = tfdp_variants.DPSGD(l2_norm_clip=C, noise_multiplier=0.0, learning_rate=LR,
+                                  expected_batch_size=B)
+  x, y = _data()
+  loss = lambda: _LOSS(y[:B], model(x[:B], training=True))
+  step = tf.function(lambda: optimizer.minimize(loss, model.trainable_variables))
+  with pytest.raises(ValueError, match="static size 4.*Poisson.*input_signature"):
+    step() if route == "static_trace" else optimizer.minimize(loss, model.trainable_variables)
+  for got, want in zip(model.get_weights(), weights):
+    np.testing.assert_array_equal(got, want)

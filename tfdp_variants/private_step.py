@@ -225,6 +225,8 @@ class PrivateStep:
     a synthetic batch (`preflight`) and this trace takes the rules that check passed with.
     Eagerly, that check (Keras 2's `fit(run_eagerly=True)`) or `loss_fn`'s trace is the
     analysis."""
+    if context.fit is None or tf.executing_eagerly():  # fit traces its dataset's batch spec.
+      validation.check_batch_count_traced(loss, self.algorithm.expected_batch_size, self.owner)
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
     grads = per_example.compute(loss, tf_vars,
                                 replicas.local_count(self.num_microbatches, self.owner),

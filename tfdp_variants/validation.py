@@ -41,8 +41,9 @@ def check_per_example_loss(loss: tf.Tensor) -> None:
     return
   compiled = getattr(training_model(), "loss", None)
   if callable(compiled):
-    name = getattr(compiled, "fn", None) or compiled
-    name = getattr(name, "__name__", type(name).__name__)
+    # A Loss class by its class name (Tversky); a function Keras wrapped by the function's.
+    named = compiled if type(compiled).__name__ != "LossFunctionWrapper" else compiled.fn
+    name = getattr(named, "__name__", type(named).__name__)
     config = compiled.get_config() if hasattr(compiled, "get_config") else {}
     fix = ("Give it the axes that exclude the batch axis, e.g. axis=-1, or axis=(1, 2, 3) for "
            "(batch, height, width, channels) masks" if "axis" in config else
@@ -59,6 +60,32 @@ def check_per_example_loss(loss: tf.Tensor) -> None:
       "loss with reduction=\"none\", e.g. "
       "tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=\"none\"). "
       "(In compile, any Keras loss is taken per example for you.)")
+
+
+def check_batch_count_traced(loss: tf.Tensor, expected_batch_size: Optional[float],
+                             owner: str) -> None:
+  """Raises ValueError for a Poisson-sampled step traced for a batch of static size.
+
+  Under Poisson sampling (an optimizer dividing by `expected_batch_size`) a batch's number of
+  examples is the other examples' presence. The analysis follows it where the graph reads it
+  (`Shape` of a batch of unknown size: a shape argument passes, a value is mixing), but a trace
+  for a static batch size has folded it into constants, where no analysis can tell it from a
+  literal: refused on that structure, whatever the model. A static size 0 holds no example.
+  Custom loops and eager steps only: `fit` traces its dataset's batch spec, whose size is unknown
+  for Poisson batches and static only for batches of one fixed size, which is public.
+  """
+  if expected_batch_size is None or loss.shape.rank in (None, 0) or loss.shape[0] in (None, 0):
+    return
+  raise ValueError(
+      f"{owner}: this step was traced for a batch of static size {loss.shape[0]}, but under "
+      f"Poisson sampling (expected_batch_size={expected_batch_size}) the number of examples in "
+      "a batch depends on which other examples were sampled, and a trace for a static size has "
+      "folded that count into constants, where the analysis cannot tell whether it enters the "
+      "update's values (h * tf.shape(h)[0] would make every example's gradient depend on the "
+      "others' presence). Trace the step for batches of any size, as fit does with a Poisson "
+      "dataset: @tf.function(input_signature=dataset.element_spec) for a step(x, y) over a "
+      "Poisson dataset (its batch size is unknown), also in place of an eager loop. With "
+      "fixed-size batches, leave expected_batch_size unset.")
 
 
 def check_microbatches(loss: tf.Tensor, num_microbatches: int) -> list[tf.Operation]:

@@ -113,7 +113,10 @@ def _loop_scores(model, optimizer, state, initial, present, absent, direction, t
       total -= tf.reduce_sum(tf.cast(grad, tf.float32) * direction)
     return total
 
-  @tf.function
+  # Traced for batches of any size, as a Poisson step must be (`validation.check_batch_count_traced`).
+  batch = lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.float32)
+
+  @tf.function(input_signature=[batch(a) for a in (*present, *absent)])
   def run(xp, yp, xa, ya):
     # The batches are the function's arguments, which the loop body captures: proven to hold the
     # examples on axis 0, so the per-example rules apply (loop state would not be).

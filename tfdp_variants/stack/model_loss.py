@@ -118,7 +118,8 @@ def mean_reduced(loss):
   """A per-example (`reduction="none"`) Keras loss as its batch mean, for a non-private twin
   (the DP optimizers average clipped per-example gradients); any other loss unchanged."""
   if isinstance(loss, keras.losses.Loss) and loss.reduction in (None, "none"):
-    return type(loss).from_config({**loss.get_config(), "reduction": "sum_over_batch_size"})
+    loss = copy.copy(loss)
+    loss.reduction = "sum_over_batch_size"
   return loss
 
 
