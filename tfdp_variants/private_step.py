@@ -226,7 +226,8 @@ class PrivateStep:
     Eagerly, that check (Keras 2's `fit(run_eagerly=True)`) or `loss_fn`'s trace is the
     analysis."""
     if context.fit is None or tf.executing_eagerly():  # fit traces its dataset's batch spec.
-      validation.check_batch_count_traced(loss, self.algorithm.expected_batch_size, self.owner)
+      validation.check_batch_count_traced(loss, self.algorithm.expected_batch_size, self.owner,
+                                          in_fit=context.fit is not None)
     tf_vars = [per_example.as_tf_variable(v) for v in var_list]
     grads = per_example.compute(loss, tf_vars,
                                 replicas.local_count(self.num_microbatches, self.owner),

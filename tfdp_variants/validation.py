@@ -63,7 +63,7 @@ def check_per_example_loss(loss: tf.Tensor) -> None:
 
 
 def check_batch_count_traced(loss: tf.Tensor, expected_batch_size: Optional[float],
-                             owner: str) -> None:
+                             owner: str, in_fit: bool = False) -> None:
   """Raises ValueError for a Poisson-sampled step traced for a batch of static size.
 
   Under Poisson sampling (an optimizer dividing by `expected_batch_size`) a batch's number of
@@ -76,16 +76,18 @@ def check_batch_count_traced(loss: tf.Tensor, expected_batch_size: Optional[floa
   """
   if expected_batch_size is None or loss.shape.rank in (None, 0) or loss.shape[0] in (None, 0):
     return
+  fix = ("Compile without run_eagerly=True: fit then traces the step for its dataset's batch "
+         "spec, whose size is unknown for a Poisson dataset" if in_fit else
+         "Trace the step for batches of any size, as fit does with a Poisson dataset: "
+         "@tf.function(input_signature=dataset.element_spec) for a step(x, y) over a Poisson "
+         "dataset (its batch size is unknown), also in place of an eager loop")
   raise ValueError(
       f"{owner}: this step was traced for a batch of static size {loss.shape[0]}, but under "
       f"Poisson sampling (expected_batch_size={expected_batch_size}) the number of examples in "
       "a batch depends on which other examples were sampled, and a trace for a static size has "
       "folded that count into constants, where the analysis cannot tell whether it enters the "
       "update's values (h * tf.shape(h)[0] would make every example's gradient depend on the "
-      "others' presence). Trace the step for batches of any size, as fit does with a Poisson "
-      "dataset: @tf.function(input_signature=dataset.element_spec) for a step(x, y) over a "
-      "Poisson dataset (its batch size is unknown), also in place of an eager loop. With "
-      "fixed-size batches, leave expected_batch_size unset.")
+      f"others' presence). {fix}. With fixed-size batches, leave expected_batch_size unset.")
 
 
 def check_microbatches(loss: tf.Tensor, num_microbatches: int) -> list[tf.Operation]:
