@@ -111,3 +111,20 @@ def test_fit_check_leaves_the_random_state_as_it_found_it(case):
   for checked, unchecked in zip(first_step(True), first_step(False)):
     assert np.any(unchecked != 0)
     np.testing.assert_allclose(checked, unchecked, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.keras3_only
+def test_fit_warns_where_an_empty_batch_meets_onednn_convolutions(monkeypatch):
+  """TF's oneDNN convolution returns its input for an empty batch (a crash that would reveal an
+  empty Poisson sample): fit over batches of unknown size warns, naming jit_compile."""
+  from tfdp_variants.stack import fit as running  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+  model = tf.keras.Sequential([tf.keras.Input((4, 4, 1)), tf.keras.layers.Conv2D(2, 3)])
+  optimizer = tfdp_variants.DPSGD(1.0, 1.0, expected_batch_size=4)
+  model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+  x, y = np.zeros((6, 4, 4, 1), "float32"), np.zeros((6, 2, 2, 2), "float32")
+  poisson = tfdp_variants.data.poisson_dataset(x, y, sampling_probability=0.5, steps=2)
+  with pytest.warns(UserWarning, match="jit_compile=True"):
+    running._warn_empty_convolutions(model, optimizer, poisson)  # pylint: disable=protected-access
+  fixed = tf.data.Dataset.from_tensor_slices((x, y)).batch(3, drop_remainder=True)
+  running._warn_empty_convolutions(model, optimizer, fixed)  # Fixed sizes: no warning.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import warnings
 from typing import Optional
 
 import tensorflow as tf
@@ -112,6 +114,22 @@ def _refuse_partial_microbatches(microbatches: int, arguments: dict) -> None:
         "num_microbatches=None (one per example).")
 
 
+def _warn_empty_convolutions(model, optimizer, x) -> None:
+  """Warns where an empty Poisson batch would crash TF's oneDNN convolution, which on CPU returns
+  its input for a batch of 0 examples (TF 2.21; `jit_compile=True` and
+  `TF_ENABLE_ONEDNN_OPTS=0` compute it right): that error would tell an empty sample apart."""
+  if (getattr(optimizer, "expected_batch_size", None) is None or getattr(model, "jit_compile", 0)
+      or os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" or _batch_sizes(x, None, 0.0)):
+    return
+  if any("Conv" in type(layer).__name__ for layer in model._flatten_layers()):  # pylint: disable=protected-access
+    warnings.warn(
+        "A Poisson batch holds no example with probability (1-q)^N per step, and TF's oneDNN "
+        "convolution on CPU fails on such a batch (it returns its input), where the step should "
+        "add noise alone: that error would reveal an empty sample. Compile with "
+        "jit_compile=True, or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported, or "
+        "keep qN large enough that (1-q)^N is negligible.", stacklevel=3)
+
+
 keras_fit = keras.Model.fit
 keras_train_on_batch = keras.Model.train_on_batch
 keras_compile = keras.Model.compile
@@ -164,6 +182,7 @@ def fit(self, *args, **kwargs):
       kwargs["shuffle"] = False
   if optimizer.num_microbatches is not None:
     _refuse_partial_microbatches(optimizer.num_microbatches, arguments)
+  _warn_empty_convolutions(self, optimizer, arguments.get("x"))
   recurrence.enable(self)
   inputs = cache.FIT_INPUTS[self] = FitInputs(_task_source(self, arguments.get("x")),
                                               arguments.get("batch_size"),
