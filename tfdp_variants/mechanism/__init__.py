@@ -24,3 +24,4 @@ from tfdp_variants.mechanism.selection import BatchSelection
 from tfdp_variants.mechanism.selection import PoissonSampling
 from tfdp_variants.mechanism.selection import Sampling
 from tfdp_variants.mechanism.selection import ShuffledBatches
+from tfdp_variants.mechanism.selection import TruncatedPoissonSampling
