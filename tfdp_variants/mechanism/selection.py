@@ -338,9 +338,11 @@ class TruncatedPoissonSampling(PoissonSampling):
     return f"known truncated poisson sample ({split}), add/remove one example, no amplification"
 
   def taken_by(self, step: StepEvents) -> "Sampling":
-    """This scheme, once the optimizer's gradient_accumulation_steps (None: 1) is checked to be
-    its k: the logical batch is the sample."""
-    k = getattr(step, "gradient_accumulation_steps", self.physical_per_step) or 1
+    """This scheme, once a DP optimizer's gradient_accumulation_steps (None or, on Keras 2,
+    none: 1) is checked to be its k: the logical batch is the sample. A plan takes it as stated."""
+    if not hasattr(step, "dp_steps"):
+      return self
+    k = getattr(step, "gradient_accumulation_steps", None) or 1
     if k != self.physical_per_step:
       raise ValueError(
           f"The truncated Poisson batches come as {self.physical_per_step} physical batches a "
