@@ -142,7 +142,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     raise ValueError(f"expected_batch_size must be in (0, N = {n}], got {expected_batch_size!r}.")
   cls = optimizers.make_dp_optimizer_class(base, algorithm)
   plan = mechanism.DPPlan(
-      poisson_selection(n, float(expected_batch_size), physical_batch_size), epochs,
+      poisson_selection(n, float(expected_batch_size), physical_batch_size, cls), epochs,
       l2_norm_clip=l2_norm_clip, algorithm=algorithm, accountant=accountant, delta=delta,
       nominal=nominal).with_options(**{k: v for k, v in options.items()
                                        if k in algorithms.options_of(cls.algorithm_cls)})
@@ -188,20 +188,21 @@ def physical_batches(num_examples: int, expected_batch_size: float,
   return k
 
 
-def poisson_selection(n: int, expected_batch_size: float,
-                      physical_batch_size: Optional[int]) -> mechanism.Sampling:
+def poisson_selection(n: int, expected_batch_size: float, physical_batch_size: Optional[int],
+                      optimizer_cls: type) -> mechanism.Sampling:
   """Poisson sampling; with a physical batch size, truncated Poisson sampling in its k physical
-  batches (`physical_batches`), refused on Keras 2 (no gradient_accumulation_steps)."""
+  batches (`physical_batches`), refused for k > 1 when `optimizer_cls` cannot accumulate them
+  (Keras 2: no gradient_accumulation_steps)."""
   if physical_batch_size is None:
     return mechanism.Sampling("poisson", n, expected_batch_size)
   if not (isinstance(physical_batch_size, int) and physical_batch_size >= 1):
     raise ValueError(f"physical_batch_size must be an int >= 1, got {physical_batch_size!r}.")
   k = physical_batches(n, expected_batch_size, physical_batch_size)
-  if k > 1 and not stack.KERAS_3:
-    raise ValueError(f"physical_batch_size={physical_batch_size} splits each logical batch of "
-                     f"expected size {expected_batch_size:g} into {k} physical batches, noised "
-                     "once through gradient_accumulation_steps, which needs Keras 3 (Keras 2's "
-                     "optimizers have none): install Keras 3, or leave physical_batch_size None.")
+  if k > 1:
+    logical_batch.check_accumulates(
+        optimizer_cls, f"physical_batch_size={physical_batch_size} splits each logical batch of "
+        f"expected size {expected_batch_size:g} into {k} physical batches, noised once, but "
+        f"{optimizer_cls.__name__}")
   return mechanism.Sampling("truncated_poisson", n, expected_batch_size, physical_per_step=k,
                             physical_batch_size=physical_batch_size)
 

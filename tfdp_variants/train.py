@@ -273,7 +273,9 @@ def main(argv):
   if _PHYSICAL.value is not None and (not poisson or replicas > 1):
     raise app.UsageError("--physical_batch_size splits Poisson logical batches on one device: "
                          "use --sampling=poisson and --strategy=none.")
-  sampling = (private.poisson_selection(n, batch, _PHYSICAL.value) if poisson
+  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
+                                                        _ALGORITHM.value)
+  sampling = (private.poisson_selection(n, batch, _PHYSICAL.value, optimizer_cls) if poisson
               else mechanism.Sampling(_SAMPLING.value, n, batch))
   accumulation = sampling.physical_per_step
   q = sampling.sampling_probability
@@ -283,8 +285,6 @@ def main(argv):
   options = parse_options(_OPTIONS.value)
   if _ALGORITHM.value == "layered_clip" and not {"beta", "total_steps"} & set(options):
     options["total_steps"] = total_steps  # β = 1/T², the paper's choice.
-  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
-                                                        _ALGORITHM.value)
   plan = mechanism.DPPlan(sampling, _EPOCHS.value, _SIGMA.value, _CLIP.value, _ALGORITHM.value,
                           accountant=_ACCOUNTANT.value, delta=_DELTA.value,
                           num_microbatches=_MICRO.value, epoch_steps=steps_per_epoch,
