@@ -195,11 +195,28 @@ def test_truncated_poisson_batches_are_k_physical_batches_of_one_sample():
       assert (len(picked) == K * P) == (q == 0.9)
 
 
+def _custom_loop(model, dataset) -> None:
+  """Each physical batch through compute_gradients and apply_gradients, traced once for a batch
+  of unknown size (as a Poisson step must be)."""
+  loss_fn = tf.keras.losses.MeanSquaredError(reduction="none")
+
+  @tf.function(input_signature=[tf.TensorSpec((None, 3)), tf.TensorSpec((None, 2))])
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    model.optimizer.apply_gradients(
+        model.optimizer.compute_gradients(loss, model.trainable_variables, tape))
+
+  for x, y in dataset:
+    step(x, y)
+
+
 @truncated_event
 @pytest.mark.keras3_only
-def test_a_truncated_logical_step_is_the_clipped_mean_over_its_sample():
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_a_truncated_logical_step_is_the_clipped_mean_over_its_sample(loop):
   """σ = 0: k physical batches of one truncated sample make one step: −Σ clip(g_i, C) / (q·N)
-  over the sampled examples, from single-example tapes."""
+  over the sampled examples, from single-example tapes; in fit and in a custom loop."""
   q = 0.75  # About 48 sampled: truncated to 32.
   x, y = _xy()
   rows = np.concatenate([b[0] for b in _truncated_dataset(q, seed=5)])  # The same pass as fit's.
@@ -208,7 +225,10 @@ def test_a_truncated_logical_step_is_the_clipped_mean_over_its_sample():
   model = _truncated_model(0.0, q)
   before = [v.numpy() for v in model.trainable_variables]
   expected = _logical_update(model, x[picked], y[picked], q * N)
-  model.fit(_truncated_dataset(q, seed=5), epochs=1, verbose=0)
+  if loop == "fit":
+    model.fit(_truncated_dataset(q, seed=5), epochs=1, verbose=0)
+  else:
+    _custom_loop(model, _truncated_dataset(q, seed=5))
   for w0, w1, step in zip(before, model.trainable_variables, expected):
     np.testing.assert_allclose(w1.numpy() - w0, step.numpy(), rtol=1e-4, atol=1e-6)
   assert int(model.optimizer.dp_steps.numpy()) == 1 == int(model.optimizer.iterations.numpy())
