@@ -52,7 +52,8 @@ class PrivateTraining(NamedTuple):
   callbacks=p.callbacks)`.
 
   Attributes:
-    dataset: secret Poisson batches (`data.poisson_dataset`), `steps_per_epoch` per epoch.
+    dataset: secret Poisson batches (`data.poisson_dataset`), `steps_per_epoch` per epoch (with
+      `physical_batch_size`, each step's sample as k physical batches).
     optimizer: the DP optimizer, dividing by the expected batch size.
     callbacks: a `PrivacyLogger` (ε per epoch; to TensorBoard with `log_dir`) and a
       `PrivacyBudget` that stops before ε passes the target.
