@@ -81,7 +81,7 @@ def test_shuffle_certified_epsilon_is_a_gaussian_per_epoch():
 
 def test_calibration_meets_the_target_under_each_sampling():
   make = lambda s: tfdp_variants.DPSGD(l2_norm_clip=1.0, noise_multiplier=s)
-  for kind in sampling.SELECTIONS:
+  for kind in ("poisson", "shuffle"):  # Truncated Poisson (PLD only): test_logical_batches.
     s = sampling.Sampling(kind, N, B)
     sigma = sampling.noise_multiplier_for(8.0, s, 30, DELTA, make)
     assert sampling.epsilons(make(sigma), s, 30, DELTA)[0] <= 8.0

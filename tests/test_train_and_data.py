@@ -164,6 +164,25 @@ def test_poisson_with_microbatches_is_refused_up_front(tmp_path):
   assert out.returncode != 0 and "--sampling=shuffle" in out.stderr
 
 
+@pytest.mark.keras3_only
+def test_physical_batch_size_trains_truncated_poisson_logical_batches(tmp_path):
+  """Logical batches of expected size 256 in physical batches of ≤ 64: k = 6 (P(sample > 5·64)
+  > 1e-6), T = 384, one noised step per logical batch, accounted as truncated Poisson (PLD)."""
+  stdout, summary = _train(tmp_path, "--batch_size=256", "--physical_batch_size=64",
+                           "--epochs=1", "--noise_multiplier=5.0", "--accountant=pld")
+  assert "at most 384 examples a step in 6 physical batches of ≤ 64" in stdout
+  assert summary["gradient_accumulation_steps"] == 6 and summary["steps"] == 6  # round(1438/256).
+  event = dp_accounting.TruncatedSubsampledGaussianDpEvent(1438, 256 / 1438, 384, 5.0)
+  want = accounting.epsilon_of_event(dp_accounting.SelfComposedDpEvent(event, 6), 1e-5, "pld")
+  assert summary["epsilon"] == pytest.approx(want, rel=1e-9)
+  flags.FLAGS(["train", "--sampling=shuffle", "--physical_batch_size=64"])
+  try:
+    with pytest.raises(app.UsageError, match="--sampling=poisson"):
+      train.main([])
+  finally:
+    flags.FLAGS.unparse_flags()
+
+
 def test_audit_flag_prints_verdict_and_certified_epsilon_before_training(tmp_path):
   stdout, summary = _train(tmp_path, "--audit", "--audit_trials=200", "--epochs=1",
                            "--batch_size=100", "--noise_multiplier=1.0")

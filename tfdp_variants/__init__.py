@@ -71,6 +71,7 @@ from tfdp_variants.mechanism.plan import DPPlan
 from tfdp_variants.mechanism.selection import PoissonSampling
 from tfdp_variants.mechanism.selection import Sampling
 from tfdp_variants.mechanism.selection import ShuffledBatches
+from tfdp_variants.mechanism.selection import TruncatedPoissonSampling
 from tfdp_variants.optimizers import AdaptiveClipAdam
 from tfdp_variants.optimizers import AdaptiveClipSGD
 from tfdp_variants.optimizers import DPAdagrad
@@ -109,6 +110,7 @@ __all__ = [
     "PIAdam", "PIRMSprop", "QuantileClipAdam", "QuantileClipSGD", "TanhFilterAdam",
     "TanhFilterSGD", "make_dp_optimizer_class",
     "make_private", "PrivateTraining", "DPPlan", "Sampling", "PoissonSampling", "ShuffledBatches",
+    "TruncatedPoissonSampling",
     "compute_dp_sgd_privacy", "batch_norm_to_group_norm", "bounded_labels",
     "per_example_gradients", "enable_recurrences",
     "mechanism", "accounting", "large_batch", "sampling", "callbacks", "data", "models",

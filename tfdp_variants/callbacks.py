@@ -148,7 +148,7 @@ class _Accountant(tf.keras.callbacks.Callback):
     if plan is not None:  # The plan's selection, δ and accountant.
       sampling, delta, accountant = plan.selection, plan.delta, plan.accountant
     self.sampling = selection.resolve(sampling, num_examples, batch_size)
-    accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, accountant)  # Checks both.
+    self.sampling.check_accounting(delta, accountant)
     self.delta = delta
     self.accountant = accountant
     self.steps = 0

@@ -221,7 +221,9 @@ def num_examples(data: Nested) -> int:
 
 
 def poisson_batches(x: Nested, y: Optional[Nested], sampling_probability: float, steps: int,
-                    seed: Optional[int | Sequence[int]] = None) -> Iterator:
+                    seed: Optional[int | Sequence[int]] = None, *,
+                    physical_batch_size: Optional[int] = None,
+                    gradient_accumulation_steps: int = 1) -> Iterator:
   """`steps` batches of Poisson sampling: each example in each batch independently w.p. q.
 
   The sampling the RDP/PLD analysis of DP-SGD assumes (Abadi et al. 2016 §3.1, arXiv:1607.00133;
@@ -230,19 +232,37 @@ def poisson_batches(x: Nested, y: Optional[Nested], sampling_probability: float,
   order within a batch. Train with num_microbatches=None. `x` (and `y`) may be nested structures
   of arrays; with `y` None the batches are `x`'s structure alone.
 
+  With `physical_batch_size` P and `gradient_accumulation_steps` k (truncated Poisson sampling,
+  `sampling.TruncatedPoissonSampling`), each sample is truncated to T = k·P examples (a uniformly
+  random subset of T, as arXiv:2508.15089 accounts, when it holds more) and comes as k physical
+  batches of at most P, split evenly (sizes within one of each other; empty only when the sample
+  holds fewer than k): `steps`·k batches.
+
   The masks come from NumPy's generator seeded from OS entropy (`secrets`), so no one can
   reproduce them; amplification by sampling rests on that. A `seed` makes them reproducible, for
   debugging only: such a sample is no secret and is accounted without amplification.
   """
   if not 0 < sampling_probability <= 1:
     raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}.")
+  k, size = gradient_accumulation_steps, physical_batch_size
+  if (not (isinstance(k, int) and k >= 1) or (k > 1 and size is None)
+      or not (size is None or isinstance(size, int) and size >= 1)):
+    raise ValueError(f"gradient_accumulation_steps={k!r}, physical_batch_size={size!r}: ints >= 1, "
+                     "physical_batch_size given when gradient_accumulation_steps > 1.")
   data = x if y is None else (x, y)
   if y is not None and num_examples(x) != num_examples(y):
     raise ValueError(f"x and y differ in length: {num_examples(x)} and {num_examples(y)}.")
   rng = np.random.default_rng(seed)
   n = num_examples(data)
-  masks = (rng.random(n) < sampling_probability for _ in range(steps))
-  return (tf.nest.map_structure(lambda a, m=mask: a[m], data) for mask in masks)
+
+  def picks() -> Iterator[np.ndarray]:
+    for _ in range(steps):
+      sample = np.flatnonzero(rng.random(n) < sampling_probability)
+      if size is not None and len(sample) > k * size:
+        sample = np.sort(rng.choice(sample, k * size, replace=False))
+      yield from np.array_split(sample, k)  # Sizes within one of each other, at most P.
+
+  return (tf.nest.map_structure(lambda a, p=pick: a[p], data) for pick in picks())
 
 
 def _warn_if_random(stages: Sequence[tuple[str, tf.data.Dataset]], above: str) -> None:
@@ -367,7 +387,8 @@ def _mapped(batches: tf.data.Dataset, examples: Pipeline) -> tf.data.Dataset:
 
 def poisson_dataset(x: Nested | tf.data.Dataset | Pipeline, y: Optional[Nested] = None,
                     sampling_probability: Optional[float] = None, steps: Optional[int] = None,
-                    seed: Optional[int] = None) -> tf.data.Dataset:
+                    seed: Optional[int] = None, *, physical_batch_size: Optional[int] = None,
+                    gradient_accumulation_steps: int = 1) -> tf.data.Dataset:
   """`poisson_batches` as a tf.data.Dataset of `steps` variable-size batches, for `model.fit`.
 
   The training set is arrays `x, y` (nested structures allowed), or a finite tf.data.Dataset of
@@ -384,6 +405,12 @@ def poisson_dataset(x: Nested | tf.data.Dataset | Pipeline, y: Optional[Nested] 
   `sampling=dataset.sampling` to the privacy callbacks (`tfdp_variants.make_private` does all
   three). `seed` (debugging only) makes the passes reproducible, from (seed, pass number), and the
   sample no secret.
+
+  Logical batches: with `physical_batch_size` P and `gradient_accumulation_steps` k, each of the
+  `steps` samples is truncated to k·P examples and comes as k physical batches of at most P
+  (`poisson_batches`), `steps`·k batches a pass; train with the optimizer's
+  gradient_accumulation_steps=k, which noises each logical batch once, and the PLD accountant
+  (`dataset.sampling` is a `sampling.TruncatedPoissonSampling`).
 
   Example:
     >>> import numpy as np
@@ -408,18 +435,23 @@ def poisson_dataset(x: Nested | tf.data.Dataset | Pipeline, y: Optional[Nested] 
   pass_seed = lambda: None if seed is None else (seed, next(passes))
   signature = tf.nest.map_structure(
       lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
+  split = {"physical_batch_size": physical_batch_size,
+           "gradient_accumulation_steps": gradient_accumulation_steps}
+  n = num_examples(data)
+  truncated = {} if physical_batch_size is None else {"physical_batch_size": physical_batch_size}
+  declared = sampling.Sampling("truncated_poisson" if truncated else "poisson", n,
+                               sampling_probability * n, secret=seed is None,
+                               physical_per_step=gradient_accumulation_steps, **truncated)
   dataset = tf.data.Dataset.from_generator(
-      lambda: poisson_batches(x, y, sampling_probability, steps, pass_seed()),
+      lambda: poisson_batches(x, y, sampling_probability, steps, pass_seed(), **split),
       output_signature=signature)
   if examples is not None and examples.maps:
     dataset = _mapped(dataset, examples)
   # The length is asserted: over a dataset of unknown size Keras makes one more train call in the
   # first epoch, which finds no batch but still advances the optimizer's step counters (dp_steps).
-  dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(
-      tf.data.AUTOTUNE)
-  n = num_examples(data)
-  dataset.sampling = sampling.Sampling("poisson", n, sampling_probability * n,
-                                       secret=seed is None)
+  dataset = dataset.apply(tf.data.experimental.assert_cardinality(
+      steps * gradient_accumulation_steps)).prefetch(tf.data.AUTOTUNE)
+  dataset.sampling = declared
   return dataset
 
 

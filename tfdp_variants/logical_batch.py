@@ -32,11 +32,7 @@ def steps_of(optimizer_cls: type, kwargs: dict, algorithm: algorithms.Algorithm,
   k = kwargs.get(ARGUMENT)
   if not k:
     return 1
-  if not any(ARGUMENT in inspect.signature(c.__init__).parameters
-             for c in optimizer_cls.__mro__ if "__init__" in vars(c)):
-    raise ValueError(f"{owner}: its base optimizer has no {ARGUMENT} argument (Keras 2's "
-                     "optimizers have none), so logical batches need Keras 3. Train with one "
-                     "physical batch per step: a larger batch_size.")
+  check_accumulates(optimizer_cls, owner)
   if not algorithm.sums_then_noises:
     raise ValueError(
         f"{owner}: {ARGUMENT}={k} noises each logical batch once, which only algorithms whose "
@@ -45,6 +41,15 @@ def steps_of(optimizer_cls: type, kwargs: dict, algorithm: algorithms.Algorithm,
         f"the {algorithm.name} algorithm's step depends on each batch's noised values. Train it "
         f"without {ARGUMENT}, with a larger batch_size.")
   return k
+
+
+def check_accumulates(optimizer_cls: type, owner: str) -> None:
+  """Refuses an optimizer class whose base has no gradient_accumulation_steps (Keras 2's)."""
+  if not any(ARGUMENT in inspect.signature(c.__init__).parameters
+             for c in optimizer_cls.__mro__ if "__init__" in vars(c)):
+    raise ValueError(f"{owner}: its base optimizer has no {ARGUMENT} argument (Keras 2's "
+                     "optimizers have none), so logical batches need Keras 3. Train with one "
+                     "physical batch per step: a larger batch_size.")
 
 
 class LogicalBatch:

@@ -27,11 +27,13 @@ import dataclasses
 import math
 from typing import Any, NamedTuple, Optional, Union
 
+from scipy import stats
 import tensorflow as tf
 
 from tfdp_variants import algorithms
 from tfdp_variants import callbacks as callbacks_lib
 from tfdp_variants import data
+from tfdp_variants import logical_batch
 from tfdp_variants import mechanism
 from tfdp_variants import optimizers
 from tfdp_variants import stack
@@ -50,7 +52,8 @@ class PrivateTraining(NamedTuple):
   callbacks=p.callbacks)`.
 
   Attributes:
-    dataset: secret Poisson batches (`data.poisson_dataset`), `steps_per_epoch` per epoch.
+    dataset: secret Poisson batches (`data.poisson_dataset`), `steps_per_epoch` per epoch (with
+      `physical_batch_size`, each step's sample as k physical batches).
     optimizer: the DP optimizer, dividing by the expected batch size.
     callbacks: a `PrivacyLogger` (ε per epoch; to TensorBoard with `log_dir`) and a
       `PrivacyBudget` that stops before ε passes the target.
@@ -80,7 +83,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
                  l2_norm_clip: float = 1.0, learning_rate: Optional[float] = None,
                  accountant: str = "rdp", log_dir: Optional[str] = None,
                  model: Optional[tf.keras.Model] = None, nominal: bool = False,
-                 **options) -> PrivateTraining:
+                 physical_batch_size: Optional[int] = None, **options) -> PrivateTraining:
   """The dataset, optimizer and callbacks of `epochs` epochs at `target_epsilon`, consistent.
 
   σ is the smallest whose ε after epochs × round(N/B) Poisson steps of rate q = B/N is at most
@@ -108,6 +111,13 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
       optimizer continues that ledger once compiled.
     nominal: calibrate and budget the nominal ε, for algorithms with no certified one (not a
       guarantee).
+    physical_batch_size: P: logical batches of expected size B in physical batches of at most P
+      (Keras 3; accountant="pld"): each step's Poisson sample is truncated to T = k·P examples
+      and split into k physical batches (`data.poisson_dataset`), which the optimizer's
+      gradient_accumulation_steps=k noises once (`sampling.TruncatedPoissonSampling`). k is the
+      least ≥ ⌈B/P⌉ whose T a sample exceeds with probability ≤ `TRUNCATION_PROBABILITY`
+      (`physical_batches`); the sampling's `describe()` states T and k. None: each step is one
+      batch.
     **options: the algorithm's options (e.g. `order="clip_then_noise"`).
 
   Raises:
@@ -133,7 +143,7 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     raise ValueError(f"expected_batch_size must be in (0, N = {n}], got {expected_batch_size!r}.")
   cls = optimizers.make_dp_optimizer_class(base, algorithm)
   plan = mechanism.DPPlan(
-      mechanism.Sampling("poisson", n, float(expected_batch_size)), epochs,
+      poisson_selection(n, float(expected_batch_size), physical_batch_size, cls), epochs,
       l2_norm_clip=l2_norm_clip, algorithm=algorithm, accountant=accountant, delta=delta,
       nominal=nominal).with_options(**{k: v for k, v in options.items()
                                        if k in algorithms.options_of(cls.algorithm_cls)})
@@ -146,16 +156,56 @@ def make_private(train_data: Union[tuple, tf.data.Dataset], *, target_epsilon: f
     raise ValueError(f"algorithm={algorithm!r}: its privacy depends on the model's {e.name}: "
                      "pass the model to train, make_private(..., model=model).") from e
   rate = {} if learning_rate is None else {"learning_rate": learning_rate}
+  k = plan.selection.physical_per_step
+  split = ({} if physical_batch_size is None else
+           {"physical_batch_size": physical_batch_size, "gradient_accumulation_steps": k})
   dp_optimizer = cls(l2_norm_clip=l2_norm_clip, noise_multiplier=plan.noise_multiplier,
-                     expected_batch_size=plan.expected_batch_size, **rate, **options)
+                     expected_batch_size=plan.expected_batch_size, **rate, **options,
+                     **({logical_batch.ARGUMENT: k} if k > 1 else {}))
   certified, nominal_epsilon = plan.epsilons(variables, spent)
-  dataset = data.poisson_dataset(x, y, plan.selection.sampling_probability, plan.steps_per_epoch)
+  dataset = data.poisson_dataset(x, y, plan.selection.sampling_probability, plan.steps_per_epoch,
+                                 **split)
   plan = dataclasses.replace(plan, selection=dataset.sampling)  # What fit will recognise.
   privacy_callbacks = [callbacks_lib.PrivacyLogger(plan=plan, log_dir=log_dir),
                        callbacks_lib.PrivacyBudget(target_epsilon, plan=plan)]
   return PrivateTraining(dataset, dp_optimizer, privacy_callbacks, plan.noise_multiplier,
                          nominal_epsilon if nominal else certified, epochs, plan.steps_per_epoch,
                          plan.steps, dataset.sampling, plan)
+
+
+# The largest probability that a step's Poisson sample exceeds make_private's truncation T.
+TRUNCATION_PROBABILITY = 1e-6
+
+
+def physical_batches(num_examples: int, expected_batch_size: float,
+                     physical_batch_size: int) -> int:
+  """k, the physical batches of P of a logical step: the least k ≥ ⌈B/P⌉ for which a Poisson
+  sample at q = B/N (of size Binomial(N, q)) exceeds T = k·P with probability at most
+  `TRUNCATION_PROBABILITY`."""
+  k = math.ceil(expected_batch_size / physical_batch_size)
+  tail = lambda t: stats.binom.sf(t, num_examples, expected_batch_size / num_examples)
+  while tail(k * physical_batch_size) > TRUNCATION_PROBABILITY:
+    k += 1
+  return k
+
+
+def poisson_selection(n: int, expected_batch_size: float, physical_batch_size: Optional[int],
+                      optimizer_cls: type) -> mechanism.Sampling:
+  """Poisson sampling; with a physical batch size, truncated Poisson sampling in its k physical
+  batches (`physical_batches`), refused for k > 1 when `optimizer_cls` cannot accumulate them
+  (Keras 2: no gradient_accumulation_steps)."""
+  if physical_batch_size is None:
+    return mechanism.Sampling("poisson", n, expected_batch_size)
+  if not (isinstance(physical_batch_size, int) and physical_batch_size >= 1):
+    raise ValueError(f"physical_batch_size must be an int >= 1, got {physical_batch_size!r}.")
+  k = physical_batches(n, expected_batch_size, physical_batch_size)
+  if k > 1:
+    logical_batch.check_accumulates(
+        optimizer_cls, f"physical_batch_size={physical_batch_size} splits each logical batch of "
+        f"expected size {expected_batch_size:g} into {k} physical batches, noised once, but "
+        f"{optimizer_cls.__name__}")
+  return mechanism.Sampling("truncated_poisson", n, expected_batch_size, physical_per_step=k,
+                            physical_batch_size=physical_batch_size)
 
 
 def _check_certified(plan: mechanism.DPPlan) -> None:

@@ -34,3 +34,4 @@ from tfdp_variants.mechanism.selection import SamplingLike
 from tfdp_variants.mechanism.selection import SELECTIONS
 from tfdp_variants.mechanism.selection import ShuffledBatches
 from tfdp_variants.mechanism.selection import StepEvents
+from tfdp_variants.mechanism.selection import TruncatedPoissonSampling

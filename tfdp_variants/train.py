@@ -61,7 +61,6 @@ from tfdp_variants import mechanism
 from tfdp_variants import models
 from tfdp_variants import private
 from tfdp_variants.mechanism import accountants
-from tfdp_variants.mechanism import selection
 
 # --learning_rate by --optimizer: SGD's is TF Privacy's MNIST tutorial's (0.25 at C = 1.5), tuned
 # here for the default model; the adaptive ones take Keras' defaults.
@@ -112,11 +111,16 @@ _DELTA = flags.DEFINE_float("delta", 1e-5, "δ of the (ε, δ) guarantee.")
 _ACCOUNTANT = flags.DEFINE_enum("accountant", "rdp", sorted(accountants.ACCOUNTANTS),
                                 "Privacy accountant (--accounting: its former name).")
 flags.DEFINE_alias("accounting", "accountant")
-_SAMPLING = flags.DEFINE_enum("sampling", "poisson", list(selection.SELECTIONS),
+_SAMPLING = flags.DEFINE_enum("sampling", "poisson", ["poisson", "shuffle"],
                               "poisson: each example in each step with probability batch_size/N, "
                               "secret (certified with amplification; needs num_microbatches unset); "
                               "shuffle: fixed-size shuffled batches (certified without "
                               "amplification, Poisson-assumed ε only nominal).")
+_PHYSICAL = flags.DEFINE_integer("physical_batch_size", None, "With --sampling=poisson: "
+                                 "logical batches of expected size --batch_size in physical "
+                                 "batches of at most this many examples, noised once per logical "
+                                 "batch (truncated Poisson sampling; Keras 3, --accountant=pld). "
+                                 "Peak memory follows it.", lower_bound=1)
 _LOGDIR = flags.DEFINE_string("logdir", None, "TensorBoard logs and summary.json; default "
                               "runs/<optimizer class, e.g. dpadam>-<time>.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for initialisation and the order of shuffled batches; "
@@ -266,7 +270,14 @@ def main(argv):
   tf.keras.utils.set_random_seed(_SEED.value)  # Initialisation and shuffling; not the DP noise.
   (x_train, y_train), (x_test, y_test) = data.load(_DATASET.value, _PREPROCESSING.value)
   n, batch = len(y_train), _BATCH.value
-  sampling = mechanism.Sampling(_SAMPLING.value, n, batch)
+  if _PHYSICAL.value is not None and (not poisson or replicas > 1):
+    raise app.UsageError("--physical_batch_size splits Poisson logical batches on one device: "
+                         "use --sampling=poisson and --strategy=none.")
+  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
+                                                        _ALGORITHM.value)
+  sampling = (private.poisson_selection(n, batch, _PHYSICAL.value, optimizer_cls) if poisson
+              else mechanism.Sampling(_SAMPLING.value, n, batch))
+  accumulation = sampling.physical_per_step
   q = sampling.sampling_probability
   drop = _MICRO.value is not None and n % batch != 0  # A partial batch could not be split.
   steps_per_epoch = n // batch if drop else sampling.steps_per_epoch
@@ -274,8 +285,6 @@ def main(argv):
   options = parse_options(_OPTIONS.value)
   if _ALGORITHM.value == "layered_clip" and not {"beta", "total_steps"} & set(options):
     options["total_steps"] = total_steps  # β = 1/T², the paper's choice.
-  optimizer_cls = tfdp_variants.make_dp_optimizer_class(private.BASES[_OPTIMIZER.value],
-                                                        _ALGORITHM.value)
   plan = mechanism.DPPlan(sampling, _EPOCHS.value, _SIGMA.value, _CLIP.value, _ALGORITHM.value,
                           accountant=_ACCOUNTANT.value, delta=_DELTA.value,
                           num_microbatches=_MICRO.value, epoch_steps=steps_per_epoch,
@@ -291,7 +300,9 @@ def main(argv):
   def optimizer_at(sigma: float):
     return optimizer_cls(l2_norm_clip=_CLIP.value, noise_multiplier=sigma,
                          num_microbatches=_MICRO.value, learning_rate=learning_rate,
-                         expected_batch_size=plan.expected_batch_size, **options)
+                         expected_batch_size=plan.expected_batch_size, **options,
+                         **({"gradient_accumulation_steps": accumulation}
+                            if accumulation > 1 else {}))
 
   # Model, optimizer and compile inside the strategy's scope, so its variables are mirrored.
   with strategy.scope() if strategy is not None else contextlib.nullcontext():
@@ -311,6 +322,7 @@ def main(argv):
       "model": name, "dataset": _DATASET.value, "epochs": _EPOCHS.value, "batch_size": batch,
       "learning_rate": learning_rate, "l2_norm_clip": _CLIP.value,
       "num_microbatches": _MICRO.value, "strategy": _STRATEGY.value, "num_replicas": replicas,
+      "physical_batch_size": _PHYSICAL.value, "gradient_accumulation_steps": accumulation,
   }
   logdir = _LOGDIR.value or os.path.join(
       "runs", f"{type(optimizer).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -442,6 +454,10 @@ def _training_data(strategy, sampling: mechanism.Sampling, x, y, steps_per_epoch
     return data.poisson_per_replica(strategy, x, y, q, steps_per_epoch), steps_per_epoch
   if sampling.kind == "poisson":
     return data.poisson_dataset(x, y, q, steps_per_epoch), None
+  if sampling.kind == "truncated_poisson":
+    return data.poisson_dataset(x, y, q, steps_per_epoch,
+                                physical_batch_size=sampling.physical_batch_size,
+                                gradient_accumulation_steps=sampling.physical_per_step), None
   shuffled = dataclasses.replace(sampling, drop_remainder=drop)
   return shuffled.dataset(x, y, seed=_SEED.value), None
 

@@ -2,9 +2,9 @@
 
 - `plan`: `DPPlan`, the algorithm's clip and noise, the batch selection, the accountant, δ and the
   epochs: σ is calibrated on it, and `make_private`, the callbacks and the binary take it.
-- `selection`: how batches are drawn, one class per scheme (`PoissonSampling`, `ShuffledBatches`),
-  each with its steps per epoch, certified event, neighbouring relation, pipeline and recognition
-  in fit.
+- `selection`: how batches are drawn, one class per scheme (`PoissonSampling`, `ShuffledBatches`,
+  `TruncatedPoissonSampling`), each with its steps per epoch, certified event, neighbouring
+  relation, pipeline and recognition in fit.
 - `accountants`: dp_accounting's accountants by name (`accountant="rdp"` or `"pld"`).
 - `events`: a step's events and a run's; `ledger`: the segments an optimizer ran, saved with it.
 - `accounting`: ε and σ of DP-SGD steps, closed forms, event serialization, `PrivacyLedger`.
@@ -24,3 +24,4 @@ from tfdp_variants.mechanism.selection import BatchSelection
 from tfdp_variants.mechanism.selection import PoissonSampling
 from tfdp_variants.mechanism.selection import Sampling
 from tfdp_variants.mechanism.selection import ShuffledBatches
+from tfdp_variants.mechanism.selection import TruncatedPoissonSampling

@@ -436,6 +436,8 @@ _JSON_EVENT_TYPES = {
         dp_accounting.SampledWithoutReplacementDpEvent,
         dp_accounting.SelfComposedDpEvent,
         dp_accounting.ComposedDpEvent,
+        # dp-accounting >= 0.6's, of truncated Poisson sampling (older ones: NoOp again).
+        getattr(dp_accounting, "TruncatedSubsampledGaussianDpEvent", dp_accounting.NoOpDpEvent),
     )
 }
 

@@ -81,6 +81,7 @@ def open_segment(optimizer, sampling: Sampling,
   run. A Poisson segment continues the previous one when nothing changed (its events simply add
   up); shuffled batches open a segment per fit, since each fit starts new passes.
   """
+  _check_logical_batch_done(optimizer)
   ledger = _read_ledger(optimizer)
   config = _config(optimizer, sampling, variables)
   rows, steps = ledger["rows"], _dp_steps(optimizer)
@@ -91,6 +92,22 @@ def open_segment(optimizer, sampling: Sampling,
     _write_ledger(optimizer, ledger)
     return
   _append(optimizer, ledger, config)
+
+
+def _check_logical_batch_done(optimizer) -> None:
+  """Refuses a fit that starts inside a logical batch (`tfdp_variants.logical_batch`): its
+  accumulator holds the clipped sum of an earlier fit's physical batches, which this fit's would
+  join into one step of no sampling its segment states."""
+  logical = getattr(getattr(optimizer, "_dp", None), "logical", None)
+  held = 0 if logical is None else int(logical.physical.numpy())
+  if held:
+    raise ValueError(
+        f"This fit starts inside a logical batch: the optimizer holds {held} of its "
+        f"{logical.k} physical batches (gradient_accumulation_steps={logical.k}) from an earlier "
+        "fit or train_on_batch, whose clipped sum this fit's batches would complete, a step no "
+        "sampling accounts. Fit whole logical batches (steps a multiple of "
+        f"{logical.k}: tfdp_variants.data.poisson_dataset(..., gradient_accumulation_steps="
+        f"{logical.k}) yields them), or compile a new optimizer.")
 
 
 def close_segment(optimizer, variables: Optional[Sequence[tf.Variable]] = None) -> None:

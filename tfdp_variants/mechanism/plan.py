@@ -29,7 +29,6 @@ import dp_accounting
 import tensorflow as tf
 
 from tfdp_variants import algorithms
-from tfdp_variants.mechanism import accounting
 from tfdp_variants.mechanism import events
 from tfdp_variants.mechanism.selection import Sampling
 
@@ -69,7 +68,7 @@ class DPPlan:
     if not (isinstance(self.epochs, int) and self.epochs > 0):
       raise ValueError(f"epochs must be a positive int, got {self.epochs!r}.")
     algorithms.named(self.algorithm, [name for name, _ in self.options])
-    accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), self.delta, self.accountant)
+    self.selection.check_accounting(self.delta, self.accountant)
 
   def with_options(self, **options) -> "DPPlan":
     """This plan with the algorithm's `options` (e.g. `order="clip_then_noise"`)."""

@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Optional, Protocol, Union
 import dp_accounting
 import tensorflow as tf
 
+from tfdp_variants.mechanism import accountants
 from tfdp_variants.mechanism import accounting
 
 # Kind -> scheme (`register`).
@@ -171,6 +172,11 @@ class Sampling:
   def check_optimizer(self, expected_batch_size: Optional[float], who: str) -> None:
     """Refuses an optimizer whose division does not fit the scheme (none by default)."""
 
+  def check_accounting(self, delta: float, accountant: str) -> None:
+    """Refuses δ outside (0, 1), an unknown accountant, or one that cannot compose the scheme's
+    events."""
+    accounting.epsilon_of_event(dp_accounting.NoOpDpEvent(), delta, accountant)
+
   def taken_by(self, step: StepEvents) -> "Sampling":
     """This scheme's batches as `step`'s steps take them: a Keras optimizer's
     `gradient_accumulation_steps` (k, None: 1) a step (`physical_per_step`); a plan, as stated."""
@@ -236,13 +242,15 @@ class PoissonSampling(Sampling):
     if self.repeat_before_batch or self.drop_remainder:
       raise ValueError("repeat_before_batch and drop_remainder describe shuffled batches; Poisson "
                        "batches come from tfdp_variants.data.poisson_dataset.")
-    if self.physical_per_step != 1:
+    if self.physical_per_step != 1 and self.KIND == "poisson":
       raise ValueError(
           f"Poisson sampling with gradient_accumulation_steps={self.physical_per_step}: each "
           "physical batch of tfdp_variants.data.poisson_dataset is a Poisson sample of its own, so "
           "a logical batch of several is no Poisson sample (an example may be in more than one) "
-          "and has no certified ε here. Train without gradient_accumulation_steps (a larger "
-          "expected batch), or on shuffled batches (sampling=\"shuffle\").")
+          "and has no certified ε here. Draw one sample per logical batch, split into physical "
+          "batches: poisson_dataset(..., physical_batch_size=P, gradient_accumulation_steps="
+          f"{self.physical_per_step}) or make_private(..., physical_batch_size=P) (truncated "
+          "Poisson sampling); or train on shuffled batches (sampling=\"shuffle\").")
 
   @property
   def steps_per_epoch(self) -> int:
@@ -279,6 +287,104 @@ class PoissonSampling(Sampling):
           f"with expected_batch_size={self.batch_size:g} and train on "
           "tfdp_variants.data.poisson_dataset(...), or account fit's batches as "
           "sampling=\"shuffle\".")
+
+
+@register("truncated_poisson")
+@dataclasses.dataclass(frozen=True)
+class TruncatedPoissonSampling(PoissonSampling):
+  """One Poisson sample at rate q per logical step, truncated to T = k·P examples (a uniformly
+  random subset of T when larger) and split evenly into k physical batches of at most P, empty
+  only when it holds fewer than k (`data.poisson_dataset(..., physical_batch_size=P,
+  gradient_accumulation_steps=k)`). The optimizer's gradient_accumulation_steps=k noises their
+  clipped sum once (`tfdp_variants.logical_batch`): one step, accounted as dp_accounting's
+  `TruncatedSubsampledGaussianDpEvent(N, q, T, σ)` (arXiv:2508.15089: when truncation drops an
+  example for the added one, the sum moves by up to 2C; PLD accountant only). Peak memory
+  follows P, not the logical batch. `batch_size` is the logical batch's expected size q·N, the
+  optimizer's `expected_batch_size`; a step with no example is noise alone.
+
+  Attributes:
+    physical_batch_size: P, the most examples of one physical batch.
+  """
+
+  physical_batch_size: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not (isinstance(self.physical_batch_size, int) and self.physical_batch_size >= 1):
+      raise ValueError(f"physical_batch_size must be an int >= 1, got "
+                       f"{self.physical_batch_size!r}.")
+    if not hasattr(dp_accounting, "TruncatedSubsampledGaussianDpEvent"):
+      raise ValueError("Truncated Poisson sampling (physical_batch_size) is accounted by "
+                       "dp_accounting's TruncatedSubsampledGaussianDpEvent, which this "
+                       "dp-accounting lacks: pip install 'dp-accounting>=0.6' (or train without "
+                       "physical_batch_size, with Poisson batches of the whole expected size).")
+
+  @property
+  def truncated_batch_size(self) -> int:
+    """T = k·P, the most examples of a logical batch."""
+    return self.physical_per_step * self.physical_batch_size
+
+  @property
+  def sampling_probability(self) -> float:
+    """q = batch_size / N (batch_size is already the logical batch's)."""
+    return self.batch_size / self.num_examples
+
+  def describe(self) -> str:
+    k, size = self.physical_per_step, self.physical_batch_size
+    split = (f"at most {self.truncated_batch_size} examples a step in {k} physical batch"
+             f"{'es' * (k != 1)} of ≤ {size}")
+    if self.secret:
+      return f"truncated poisson sampling ({split}), add/remove one example"
+    return f"known truncated poisson sample ({split}), add/remove one example, no amplification"
+
+  def taken_by(self, step: StepEvents) -> "Sampling":
+    """This scheme, once a DP optimizer's gradient_accumulation_steps (None or, on Keras 2,
+    none: 1) is checked to be its k: the logical batch is the sample. A plan takes it as stated."""
+    if not hasattr(step, "dp_steps"):
+      return self
+    k = getattr(step, "gradient_accumulation_steps", None) or 1
+    if k != self.physical_per_step:
+      raise ValueError(
+          f"The truncated Poisson batches come as {self.physical_per_step} physical batches a "
+          f"logical step, but the optimizer's gradient_accumulation_steps is {k}: build it with "
+          f"gradient_accumulation_steps={self.physical_per_step}.")
+    return self
+
+  def check_accounting(self, delta: float, accountant: str) -> None:
+    super().check_accounting(delta, accountant)
+    event = self._truncated(dp_accounting.GaussianDpEvent(1.0))
+    if not accountants.get(accountant)().supports(event):
+      able = [name for name, a in accountants.ACCOUNTANTS.items() if a().supports(event)]
+      raise ValueError(f"accountant={accountant!r} cannot account truncated Poisson sampling "
+                       f"(dp_accounting's TruncatedSubsampledGaussianDpEvent): use accountant="
+                       f"{' or '.join(repr(name) for name in able)}.")
+
+  def _truncated(self, event: Optional[dp_accounting.DpEvent]) -> Optional[dp_accounting.DpEvent]:
+    """The Gaussian `event` of a step on this sample; a known sample is no secret, so every
+    step holds the example, maybe in place of one truncation dropped: sensitivity 2C."""
+    if event is None:
+      return None
+    if not isinstance(event, dp_accounting.GaussianDpEvent):
+      raise ValueError(f"Truncated Poisson sampling is accounted for the Gaussian mechanism on the "
+                       f"clipped sum (DP-SGD's step), but this step's event is {event}: train this "
+                       "algorithm without physical_batch_size.")
+    if not self.secret:
+      return accounting.scaled_sensitivity(event, 2)
+    return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+        self.num_examples, self.sampling_probability, self.truncated_batch_size,
+        event.noise_multiplier)
+
+  def step_events(self, step: StepEvents, sizes: dict[str, int]
+                  ) -> tuple[Optional[dp_accounting.DpEvent], dp_accounting.DpEvent]:
+    """(certified, nominal) event of one logical step: the truncated subsampled Gaussian."""
+    events = step.events(self.batch_size, **sizes)
+    nominal = (self._truncated(events.nominal) if self.secret
+               else events.poisson(self.sampling_probability).nominal)
+    return self._truncated(events.certified), nominal
+
+  def _same(self, other: Sampling) -> bool:
+    return super()._same(other) and (self.physical_per_step, self.physical_batch_size) == (
+        other.physical_per_step, getattr(other, "physical_batch_size", None))
 
 
 @register("shuffle")
