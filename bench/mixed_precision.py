@@ -45,7 +45,8 @@ def run_child() -> None:
   policy, row, model = _CHILD.value.split(",")
   stack.keras.mixed_precision.set_global_policy(policy)
   workload = step_time.WORKLOADS[model]
-  result = step_time.time_row(step_time._row(row), workload, workload.batch,  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  result = step_time.time_row(step_time._row(row), workload, workload.batch,
                               step_time._STEPS.value, 3)  # pylint: disable=protected-access
   print(json.dumps(result), flush=True)
 

@@ -2,13 +2,14 @@
 
 Keras 2's `fit` calls `optimizer.minimize(loss, var_list, tape)`, so a DP optimizer computes its
 gradients from the per-example loss itself, in `_compute_gradients`; `apply_gradients` accepts
-only what it returned. Under `mixed_float16` a DP compile wraps the optimizer in a LossScaleOptimizer
-of a fixed scale s (`dynamic=False`: a dynamic one, which skips a step whose gradients overflow,
-is refused), which multiplies the loss by s before calling the inner optimizer's
-`compute_gradients` and divides the result by s: a DP optimizer finds its wrapper on the call stack
-(`loss_scale_wrapper`), divides the per-example gradients by s before clipping (so that C bounds
-the true gradients, `per_example.loss_scale`), and returns its privatized gradient times s. Keras 2
-has legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of making state.
+only what it returned. Under `mixed_float16` a DP compile wraps the optimizer in a
+LossScaleOptimizer of a fixed scale s (`dynamic=False`: a dynamic one, which skips a step whose
+gradients overflow, is refused), which multiplies the loss by s before calling the inner
+optimizer's `compute_gradients` and divides the result by s: a DP optimizer finds its wrapper on
+the call stack (`loss_scale_wrapper`), divides the per-example gradients by s before clipping (so
+that C bounds the true gradients, `per_example.loss_scale`), and returns its privatized gradient
+times s. Keras 2 has legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of
+making state.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ refused, never applied; so is one whose gradients are not gradients of the very 
 through an identity whose gradient marks the gradient it passes down, and `remembered_loss` reads
 the graph (`_outside_scale_loss`). Keras 3's LossScaleOptimizer never passes the loss on, so a DP
 compile leaves the optimizer unwrapped under `mixed_float16` (`auto_scale_loss=False`): the DP
-optimizer scales the per-example loss itself (`per_example.loss_scale`); a wrapper is refused. Under tf.distribute the reported loss is divided by the replicas as
-Keras divides its reduced losses, and two Keras 3.15 failures are worked around for DP models
-(`model_methods`).
+optimizer scales the per-example loss itself (`per_example.loss_scale`); a wrapper is refused.
+Under tf.distribute the reported loss is divided by the replicas as Keras divides its reduced
+losses, and two Keras 3.15 failures are worked around for DP models (`model_methods`).
 """
 
 from __future__ import annotations
