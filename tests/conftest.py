@@ -28,9 +28,9 @@ tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU"
 _STACK_FILES = frozenset({
     "test_any_base_optimizer.py", "test_audit.py", "test_callbacks.py", "test_distributed.py",
     "test_engine_fail_closed.py", "test_fail_closed.py", "test_keras_edges.py", "test_ledger.py",
-    "test_logical_batches.py", "test_mixing.py", "test_model_zoo.py", "test_numerics.py",
-    "test_optimizers.py", "test_per_example.py", "test_per_example_grids.py", "test_recurrence.py",
-    "test_xla.py",
+    "test_logical_batches.py", "test_mixed_precision.py", "test_mixing.py", "test_model_zoo.py",
+    "test_numerics.py", "test_optimizers.py", "test_per_example.py", "test_per_example_grids.py",
+    "test_recurrence.py", "test_xla.py",
 })
 _TF_PRIVACY_FILES = frozenset({"test_tf_privacy_parity.py"})
 _ONE_KERAS2_LEG_FILES = frozenset({"test_audit.py", "test_distributed.py"})

@@ -148,7 +148,8 @@ def test_loss_scale_optimizer_in_a_custom_loop_names_mixed_precision():
   optimizer = keras.optimizers.LossScaleOptimizer(tfdp_variants.DPSGD(1.0, 1.0))
   with tf.GradientTape() as tape:
     loss = optimizer.scale_loss(_loss()(y, model(x, training=True)))
-  with pytest.raises(RuntimeError, match="mixed precision is not supported on Keras 3.*float32"):
+  with pytest.raises(RuntimeError,
+                     match="LossScaleOptimizer.*Pass the DP optimizer itself.*loss_scale"):
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                   model.trainable_variables))
 

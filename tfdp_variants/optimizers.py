@@ -29,6 +29,7 @@ from tfdp_variants import per_example
 from tfdp_variants import private_step
 from tfdp_variants import replicas
 from tfdp_variants import stack
+from tfdp_variants import validation
 from tfdp_variants.mechanism import ledger
 from tfdp_variants.mechanism.events import Events
 
@@ -50,6 +51,8 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
       ones and refuse models that mix examples (`per_example.self_check`); its steady-state cost
       is one variable read and a `tf.cond`. Under XLA (`jit_compile`), which cannot raise in a
       step, a failure makes every later update NaN and the privacy callbacks raise.
+    loss_scale: under mixed_float16, the fixed factor of the per-example loss before its float16
+      backward pass, divided out in float32; an example that overflows contributes zero.
     **kwargs: the algorithm's options, then the base optimizer's (learning_rate, ...). Keras 3's
       gradient_accumulation_steps=k makes k physical batches one logical batch, noised once and
       one step (`tfdp_variants.logical_batch`).
@@ -74,16 +77,15 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
   def __init__(self, l2_norm_clip: float, noise_multiplier: float,
                num_microbatches: Optional[int] = None,
                expected_batch_size: Optional[float] = None, noise_seed: Optional[int] = None,
-               self_check: bool = True, **kwargs):
-    if kwargs.get("loss_scale_factor") is not None:
-      raise ValueError("loss_scale_factor is not supported by DP optimizers: the per-example "
-                       "gradients are clipped at their true scale. Leave it None.")
+               self_check: bool = True, loss_scale: float = 2.0**10, **kwargs):
+    loss_scale = validation.check_loss_scale(loss_scale, kwargs.get("loss_scale_factor"))
     options = dict(self.default_options)
     options.update({k: kwargs.pop(k) for k in algorithms.options_of(self.algorithm_cls) if k in kwargs})
     algorithm = self.algorithm_cls(l2_norm_clip, noise_multiplier, **options,
                                    expected_batch_size=expected_batch_size, noise_seed=noise_seed)
     k = logical_batch.steps_of(type(self), kwargs, algorithm, type(self).__name__)
-    step = private_step.PrivateStep(algorithm, num_microbatches, self_check, type(self).__name__, k)
+    step = private_step.PrivateStep(algorithm, num_microbatches, self_check, type(self).__name__,
+                                    k, loss_scale)
     if noise_seed is not None:
       warnings.warn(f"{type(self).__name__}: noise_seed={noise_seed} makes the DP noise "
                     "reproducible by anyone who knows the seed, who can then remove it: no privacy "
@@ -96,7 +98,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
     self.privacy_guarantee = "none" if noise_seed is not None else algorithm.privacy_guarantee
     self.num_microbatches = num_microbatches
     self.expected_batch_size = algorithm.expected_batch_size
-    self.noise_seed, self.self_check = noise_seed, self_check
+    self.noise_seed, self.self_check, self.loss_scale = noise_seed, self_check, step.loss_scale
     self.dp_steps = self.dp_ledger = None  # tf.Variables made by `_build_algorithm`.
 
   @property
@@ -207,7 +209,7 @@ class DPOptimizerMixin(stack.DPOptimizerMarker):
   def get_config(self):
     config = super().get_config()
     config.update(l2_norm_clip=self.l2_norm_clip, noise_multiplier=self.noise_multiplier,
-                  num_microbatches=self.num_microbatches,
+                  num_microbatches=self.num_microbatches, loss_scale=self.loss_scale,
                   expected_batch_size=self.expected_batch_size, noise_seed=self.noise_seed,
                   self_check=self.self_check, **self.algorithm.get_config())
     config["dp_class"] = self._recipe()

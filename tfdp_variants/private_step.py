@@ -14,7 +14,6 @@ enters (`optimizers.DPOptimizerMixin`) and passed down.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import weakref
 from typing import Callable, Optional
@@ -111,6 +110,7 @@ class PrivateStep:
     owner: the optimizer's class name, for messages.
     accumulation_steps: k, the physical batches of a logical batch, noised once
       (`logical_batch`); 1: each batch is a step.
+    loss_scale: the fixed factor of a float16 step's loss (`run`).
 
   Attributes:
     steps: the int64 counter of privatized steps (logical ones), made by `build`.
@@ -123,7 +123,8 @@ class PrivateStep:
   """
 
   def __init__(self, algorithm: algorithms.Algorithm, num_microbatches: Optional[int],
-               self_check: bool, owner: str, accumulation_steps: int = 1):
+               self_check: bool, owner: str, accumulation_steps: int = 1,
+               loss_scale: float = 2.0**10):
     if num_microbatches is not None and not (isinstance(num_microbatches, int)
                                              and num_microbatches > 0):
       raise ValueError(f"num_microbatches must be a positive int or None, got "
@@ -138,6 +139,7 @@ class PrivateStep:
     self.self_check = self_check
     self.owner = owner
     self.accumulation_steps = accumulation_steps
+    self.loss_scale = loss_scale
     self.steps: Optional[tf.Variable] = None
     self.logical: Optional[logical_batch.LogicalBatch] = None
     self.rules: Optional[tuple[str, ...]] = None
@@ -208,13 +210,17 @@ class PrivateStep:
   def run(self, context: StepContext, loss, var_list, tape, loss_fn=None
           ) -> list[tuple[tf.Tensor, tf.Variable]]:
     """(privatized gradient, variable) pairs for the per-example `loss` (eagerly, computed by
-    `loss_fn`, traced for the analysis): the named steps."""
+    `loss_fn`, traced for the analysis): the named steps. A loss computed in float16 is scaled
+    before its backward pass, by the wrapper that called (Keras 2) or by `loss_scale`, and the
+    per-example gradients unscaled in float32 (`per_example.loss_scale`)."""
+    scale = None if context.wrapper is None else context.wrapper.loss_scale
+    if scale is None and loss_scale.computes_in_float16(loss, loss_fn):
+      scale = self.loss_scale
+      loss, loss_fn = loss_scale.scaled(loss, tape, loss_fn, scale)
     grads = self._per_example_gradients(context, loss, var_list, tape, loss_fn)
-    if context.wrapper is None:
-      privatized = self._privatize(grads)
-    else:
-      privatized = self._privatize_scaled(grads, context.wrapper.loss_scale)
-    privatized = self._add_model_losses(privatized, grads.variables, context.model)
+    if scale is not None:
+      grads = loss_scale.unscaled(grads, scale)
+    privatized = self._add_model_losses(self._privatize(grads), grads.variables, context.model)
     if context.wrapper is not None:  # The wrapper divides by its scale.
       privatized = [g * tf.cast(context.wrapper.loss_scale, g.dtype) for g in privatized]
     return self._release(privatized, var_list, context.wrapper)
@@ -253,15 +259,6 @@ class PrivateStep:
     with tf.control_dependencies(privatized):  # A stateful op: tf.function always runs it.
       self.steps.assign_add(1)
     return privatized
-
-  def _privatize_scaled(self, grads: per_example.PerExampleGradients,
-                        scale: tf.Tensor) -> list[tf.Tensor]:
-    """Under a LossScaleOptimizer: the privatized gradient of the unscaled loss, or NaN when a
-    scaled gradient overflowed, so that the wrapper skips the step and lowers its scale."""
-    finite = grads.all_finite  # Before the engine zeroed the non-finite rows.
-    grads = loss_scale.unscaled(grads, scale)
-    skipped = lambda: [tf.fill(v.shape, tf.constant(math.nan, v.dtype)) for v in grads.variables]
-    return tf.cond(finite, lambda: self._privatize(grads), skipped)
 
   @staticmethod
   def _add_model_losses(privatized: list[tf.Tensor], tf_vars, model) -> list[tf.Tensor]:

@@ -127,3 +127,16 @@ def check_clip_and_noise(l2_norm_clip: float, noise_multiplier: float) -> None:
   if not (is_finite_real(noise_multiplier) and noise_multiplier >= 0):
     raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r} "
                      "(0 means no noise and no privacy).")
+
+
+def check_loss_scale(loss_scale: float, loss_scale_factor: Optional[float] = None) -> float:
+  """`loss_scale` (the fixed factor of a float16 step's loss) as a float; ValueError unless it is
+  a finite number > 0, or for Keras' `loss_scale_factor` (Keras 3 divides the update by it)."""
+  if loss_scale_factor is not None:
+    raise ValueError("loss_scale_factor is not supported by DP optimizers: the per-example "
+                     "gradients are clipped at their true scale. Leave it None (under "
+                     "mixed_float16 a DP optimizer scales the loss itself: loss_scale).")
+  if not (is_finite_real(loss_scale) and loss_scale > 0):
+    raise ValueError(f"loss_scale must be a finite number > 0 (a power of two, e.g. 2**10), got "
+                     f"{loss_scale!r}.")
+  return float(loss_scale)

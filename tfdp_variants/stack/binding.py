@@ -84,7 +84,8 @@ def unbind(model: keras.Model) -> None:
 
 @functools.wraps(running.keras_compile)
 def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
-  """Keras' compile; with a DP optimizer, of each output's per-example loss
+  """Keras' compile; with a DP optimizer (under mixed_float16, without a dynamic loss scale:
+  `chosen.mixed_precision_compile`), of each output's per-example loss
   (`model_loss.per_example`), binding the model (`bind`) and continuing the ledger of the model's
   earlier DP optimizer (`running.continue_ledger`); with another, unbinds it."""
   given = kwargs.get("optimizer", args[0] if args else None)  # Keras' first parameter.
@@ -93,7 +94,10 @@ def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
   previous = unwrap(getattr(self, "optimizer", None))
   if is_dp(given) and is_dp(previous) and previous is not unwrap(given):  # Before compiling.
     running.continue_ledger(unwrap(given), previous, self.trainable_variables)
-  if is_dp(given):  # Keras' second parameter: each output's loss, per example.
+  if is_dp(given):  # The optimizer, with no dynamic loss scale; each output's loss, per example.
+    given, precision = chosen.mixed_precision_compile(self, given)
+    args, kwargs = (((given, *args[1:]), {**precision, **kwargs}) if args
+                    else (args, {**precision, **kwargs, "optimizer": given}))
     if len(args) > 1:
       args = (args[0], model_loss.per_example(args[1]), *args[2:])
     elif "loss" in kwargs:

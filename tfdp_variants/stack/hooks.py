@@ -31,6 +31,10 @@ class KerasHooks(Protocol):
                       kwargs: dict):
     """Keras' `apply_gradients` (`apply`) of the gradients the DP optimizer privatized."""
 
+  def mixed_precision_compile(self, model, optimizer) -> tuple[object, dict]:
+    """The DP `optimizer` to compile `model` with, and Keras compile's arguments, so that no
+    dynamic loss scale wraps it (one skips a step whose gradients overflow: a skip on values)."""
+
   def loss_scale_wrapper(self, inner):
     """The LossScaleOptimizer that scaled this step's loss for `inner`, or None."""
 

@@ -2,12 +2,14 @@
 
 Keras 2's `fit` calls `optimizer.minimize(loss, var_list, tape)`, so a DP optimizer computes its
 gradients from the per-example loss itself, in `_compute_gradients`; `apply_gradients` accepts
-only what it returned. Under `mixed_float16` Keras 2 wraps the optimizer in a LossScaleOptimizer,
-which multiplies the loss by its scale s before calling the inner optimizer's `compute_gradients`
-and divides the result by s: a DP optimizer finds its wrapper on the call stack
-(`loss_scale_wrapper`), divides the per-example gradients by s before clipping (so that C bounds
-the true gradients, `per_example.loss_scale`), and returns its privatized gradient times s. Keras 2
-has legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of making state.
+only what it returned. Under `mixed_float16` a DP compile wraps the optimizer in a
+LossScaleOptimizer of a fixed scale s (`dynamic=False`: a dynamic one, which skips a step whose
+gradients overflow, is refused), which multiplies the loss by s before calling the inner
+optimizer's `compute_gradients` and divides the result by s: a DP optimizer finds its wrapper on
+the call stack (`loss_scale_wrapper`), divides the per-example gradients by s before clipping (so
+that C bounds the true gradients, `per_example.loss_scale`), and returns its privatized gradient
+times s. Keras 2 has legacy optimizers (`tf.keras.optimizers.legacy.*`), with their own way of
+making state.
 """
 
 from __future__ import annotations
@@ -89,11 +91,29 @@ def apply_gradients(optimizer, apply: Callable, grads_and_vars, args: tuple, kwa
   return apply(zip(grads, [v for _, v in pairs]), *args, **kwargs)
 
 
+def mixed_precision_compile(model, optimizer) -> tuple[object, dict]:
+  """Under a float16 policy Keras 2's compile would wrap the DP optimizer in a dynamic
+  LossScaleOptimizer: wrapped here first, with its fixed `loss_scale`."""
+  if model.dtype_policy.compute_dtype == "float16" and not isinstance(optimizer,
+                                                                      LossScaleOptimizer):
+    optimizer = LossScaleOptimizer(optimizer, dynamic=False, initial_scale=optimizer.loss_scale)
+  return optimizer, {}
+
+
 def loss_scale_wrapper(inner) -> Optional[LossScaleOptimizer]:
   """The LossScaleOptimizer around `inner` whose method is on the call stack, if any: its
   `compute_gradients` scaled the loss before calling `inner`'s, and its `apply_gradients`
-  unscales, aggregates and passes the gradients on to `inner`'s."""
-  return loss_scaler_calling(inner)
+  unscales, aggregates and passes the gradients on to `inner`'s. A dynamic one is refused."""
+  wrapper = loss_scaler_calling(inner)
+  if wrapper is not None and wrapper.dynamic:
+    raise ValueError(
+        f"{type(inner).__name__} is wrapped in a LossScaleOptimizer with a dynamic loss scale, "
+        "which skips a step whose gradients overflow (a skip that depends on the batch's values, "
+        "outside the privacy guarantee) and, since a DP step zeroes each overflowing example "
+        "instead, would raise its scale without bound. Use a fixed scale: LossScaleOptimizer("
+        "optimizer, dynamic=False, initial_scale=optimizer.loss_scale), as a DP compile does "
+        "under mixed_float16.")
+  return wrapper
 
 
 def remember_loss(optimizer, loss, scaled):

@@ -8,10 +8,11 @@ step with no such loss (a custom `train_step` that never calls `scale_loss`, an 
 refused, never applied; so is one whose gradients are not gradients of the very tensor
 `scale_loss` returned (a term added after `scale_loss` would be dropped): `scale_loss` returns it
 through an identity whose gradient marks the gradient it passes down, and `remembered_loss` reads
-the graph (`_outside_scale_loss`). Keras 3's LossScaleOptimizer never passes the loss on, so mixed
-precision is refused here. Under tf.distribute the reported loss is divided by the replicas as
-Keras divides its reduced losses, and two Keras 3.15 failures are worked around for DP models
-(`model_methods`).
+the graph (`_outside_scale_loss`). Keras 3's LossScaleOptimizer never passes the loss on, so a DP
+compile leaves the optimizer unwrapped under `mixed_float16` (`auto_scale_loss=False`): the DP
+optimizer scales the per-example loss itself (`per_example.loss_scale`); a wrapper is refused.
+Under tf.distribute the reported loss is divided by the replicas as Keras divides its reduced
+losses, and two Keras 3.15 failures are worked around for DP models (`model_methods`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def apply_gradients(optimizer, apply: Callable, grads_and_vars, args: tuple, kwa
   """Keras' `apply_gradients`: every Keras 3 update goes through `apply`, guarded there."""
   del optimizer
   return apply(grads_and_vars, *args, **kwargs)
+
+
+def mixed_precision_compile(model, optimizer) -> tuple[object, dict]:
+  """Keras' compile would wrap the DP optimizer in a LossScaleOptimizer under mixed_float16:
+  `auto_scale_loss=False` (the DP optimizer scales the per-example loss by its `loss_scale`)."""
+  del model
+  return optimizer, {"auto_scale_loss": False}
 
 
 def loss_scale_wrapper(inner) -> None:
@@ -185,9 +193,9 @@ def why_no_loss(optimizer) -> str:
   if loss_scaler_calling(optimizer) is not None or (
       model is not None and isinstance(model.optimizer, LossScaleOptimizer)):
     return ("Keras 3's LossScaleOptimizer (mixed precision) wraps it and scales the loss without "
-            "passing it on, so mixed precision is not supported on Keras 3: train in float32 "
-            "(keras.mixed_precision.set_global_policy('float32')) and pass the DP optimizer "
-            "itself")
+            "passing it on. Pass the DP optimizer itself, unwrapped, and leave compile's "
+            "auto_scale_loss at the DP default (False): under mixed_float16 the DP optimizer "
+            "scales the per-example loss by its own fixed loss_scale")
   if tf.executing_eagerly():
     return ("run_eagerly=True is not supported by fit with a DP optimizer: an eager step keeps no "
             "loss to privatize. Compile with run_eagerly=False, or train eagerly in a custom "
