@@ -216,6 +216,16 @@ def _data_entries(op: tf.Operation) -> Optional[list[tf.Tensor]]:
   return [] if captured or t.name not in {x.name for x in graph.inputs} else [t]
 
 
+def row_gradients(losses: tf.Tensor, i: tf.Tensor,
+                  xs: list[tf.Tensor]) -> list[Optional[tf.Tensor]]:
+  """`tf.gradients` of row `i` of the (M,) `losses` with respect to `xs`, seeded by a one-hot
+  `grad_ys` (all zeros if `i` is out of range). Not `tf.gather(losses, i)`: its gradient is
+  scattered into M rows, which XLA cannot compile for M = 0 (an empty Poisson batch; XLA
+  compiles a cond's every branch, and pfor's scatter asks for a static S32 size)."""
+  seed = tf.one_hot(i, tf.shape(losses)[0], dtype=losses.dtype)
+  return tf.gradients(losses, xs, grad_ys=seed)
+
+
 def one_example(loss: tf.Tensor) -> bool:
   """Whether the step of `loss` provably holds one example: `loss` has one static row, and every
   tensor through which data enters the ops it depends on (`_data_entries`; at least one) has one
