@@ -66,3 +66,16 @@ def gradients_and_rules_any_batch(model, x, y, run_it: bool = True
     run.get_concrete_function()
     return None, seen["rules"]
   return [g.numpy() for g in run(x, y)], seen["rules"]
+
+
+class OverlappingSlices(tf.keras.layers.Layer):
+  """Reads its variable through two overlapping slices, in matmuls whose products are sliced: no
+  rule proves it, so it takes the exact fallback (whose vectorized backward pass fails on an empty
+  batch: pfor's StridedSliceGrad; under XLA, pfor's UnsortedSegmentSum)."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(3, 1), initializer="ones", name="w")
+
+  def call(self, h):
+    return (tf.matmul(h, tf.transpose(self.w[0:2]))[:, :1] +
+            tf.matmul(h, tf.transpose(self.w[1:3]))[:, :1])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import engine_helpers
 import tfdp_variants
 
 pytestmark = pytest.mark.stack
@@ -18,25 +19,13 @@ L = tf.keras.layers
 B, C, LR = 4, 0.5, 0.5
 _LOSS = tf.keras.losses.MeanSquaredError(reduction="none")
 
-class _OverlappingSlices(L.Layer):
-  """Reads its variable through two overlapping slices, in matmuls whose products are sliced: no
-  rule proves it, so it takes the fallback, whose vectorized backward pass fails on an empty batch
-  (pfor's StridedSliceGrad)."""
-
-  def build(self, input_shape):
-    self.w = self.add_weight(shape=(3, 1), initializer="ones", name="w")
-
-  def call(self, h):
-    return (tf.matmul(h, tf.transpose(self.w[0:2]))[:, :1] +
-            tf.matmul(h, tf.transpose(self.w[1:3]))[:, :1])
-
-
 # name: (layers, input shape, input dtype); "fallback" takes the exact fallback, the others rules.
 _EMPTY = {
     "dense": (lambda: [L.Dense(2)], (3,), "float32"),
     "conv2d": (lambda: [L.Conv2D(2, 2), L.Flatten(), L.Dense(2)], (4, 4, 1), "float32"),
     "embedding": (lambda: [L.Embedding(5, 2), L.Flatten(), L.Dense(2)], (3,), "int32"),
-    "fallback": (lambda: [L.Dense(1), _OverlappingSlices(), L.Dense(2)], (4,), "float32"),
+    "fallback": (lambda: [L.Dense(1), engine_helpers.OverlappingSlices(), L.Dense(2)], (4,),
+                 "float32"),
 }
 
 

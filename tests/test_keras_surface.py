@@ -366,7 +366,6 @@ KNOWN_WALLS: dict[str, str] = {
     "ContrastLimitedAdaptiveHistogramEqualization":
         "each image alone; refused at a GatherV2 of the tiles' histograms by flat index",
     "CTC": "CTC of each sequence alone", "ctc": "CTC of each sequence alone",
-    "MelSpectrogram[power]": "framing and FFT of each signal alone",
     "RandomElasticTransform": "cannot prove at a StridedSlice: each image is warped alone",
 }
 

@@ -33,14 +33,16 @@ def _optimizer():
   return tfdp_variants.DPSGD(C, 0.0, learning_rate=LR)
 
 
-def _step(build, x, y, loop: bool) -> tf.keras.Model:
-  """One DP step of `build()`'s model on (x, y), in `fit` or in a `tf.function` loop."""
+def _step(build, x, y, loop: bool, any_size: bool = False) -> tf.keras.Model:
+  """One DP step of `build()`'s model on (x, y), in `fit` or in a `tf.function` loop (traced for
+  batches of `any_size`, as over Poisson batches, or for this batch's)."""
   tf.keras.utils.set_random_seed(0)
   model = build()
   if loop:
     optimizer = _optimizer()
 
-    @tf.function
+    @tf.function(input_signature=[tf.TensorSpec((None, *a.shape[1:]), a.dtype) for a in (x, y)]
+                 if any_size else None)
     def step(xb, yb):
       with tf.GradientTape() as tape:
         loss = _LOSS(yb, model(xb, training=True))
@@ -53,10 +55,10 @@ def _step(build, x, y, loop: bool) -> tf.keras.Model:
   return model
 
 
-def _assert_exact(build, x, y, loop: bool):
+def _assert_exact(build, x, y, loop: bool, any_size: bool = False):
   tf.keras.utils.set_random_seed(0)
   want = _reference(build(), x, y)
-  got = _step(build, x, y, loop).get_weights()
+  got = _step(build, x, y, loop, any_size).get_weights()
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
@@ -154,6 +156,29 @@ def test_extract_patches_trains_exactly(loop):
   rng = np.random.default_rng(1)
   x = rng.normal(size=(B, 4, 4, 2)).astype("float32")
   _assert_exact(_mixer, x, rng.normal(size=(B, 2)).astype("float32"), loop)
+
+
+class _MelPower(L.Layer):
+  """Keras 3's MelSpectrogram(power_to_db=False) in TF's ops: |STFT|² on mel bins. Its framing
+  (`tf.signal.frame`) slices x[0:Shape(x)[0], 0:n], splits the shape vector (SplitV) into the
+  batch, frame and inner sizes, and gathers subframes along an axis computed from the rank."""
+
+  def call(self, x):
+    power = tf.square(tf.abs(tf.signal.stft(x, frame_length=16, frame_step=8, fft_length=16)))
+    return tf.tensordot(power, tf.signal.linear_to_mel_weight_matrix(4, 9, 800, 0.0, 400.0), 1)
+
+
+@pytest.mark.parametrize("loop,any_size", [(False, False), (True, False), (True, True)])
+def test_spectrograms_of_each_signal_train_exactly(loop, any_size):
+  """Each signal is framed and transformed alone (issue 47 item 8: MelSpectrogram was refused)."""
+  def build():
+    inputs = L.Input((32,))
+    h = _MelPower(name="mel")(L.Dense(32)(inputs))
+    return tf.keras.Model(inputs, L.Dense(2)(L.Flatten()(h)))
+
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(B, 32)).astype("float32")
+  _assert_exact(build, x, rng.normal(size=(B, 2)).astype("float32"), loop, any_size)
 
 
 def _images(seed=2):

@@ -74,7 +74,7 @@ def _fallback(mb_losses: tf.Tensor, m: tf.Tensor, graph: tf.Graph,
   losses = mb_losses if size is not None else tf.concat([mb_losses, tf.zeros([1], mb_losses.dtype)], 0)
 
   def one(i):
-    grads = tf.gradients(tf.gather(losses, i), sources)
+    grads = G.row_gradients(losses, i, sources)
     return [tf.zeros(v.shape, v.dtype) if g is None else tf.reshape(tf.convert_to_tensor(g),
                                                                        v.shape)
             for g, v in zip(grads, variables)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp_variants.per_example import graph_state
@@ -58,6 +59,71 @@ def constant_value(t: tf.Tensor):
   """`t`'s value as Python lists and numbers if the graph fixes it, else None."""
   value = tf.get_static_value(t)
   return None if value is None else value.tolist()
+
+
+# Integer ops a permutation is computed with (`tf.nn.softmax` on a non-last axis swaps it with the
+# last one: `concat([range(a), [rank - 1], range(a + 1, rank - 1), [a]])`).
+# `tf.linspace` computes its slice's position with where_v2 on the rank; `tf.signal.frame` its
+# split sizes and gather axis from the rank.
+_FOLDS = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply,
+          "FloorMod": np.mod, "Range": np.arange, "Maximum": np.maximum, "Minimum": np.minimum,
+          "GreaterEqual": np.greater_equal, "Less": np.less, "Equal": np.equal,
+          "SelectV2": np.where}
+
+
+def folded(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
+  """`t`'s value where constants and static ranks fix it through `_FOLDS`, Pack and ConcatV2
+  (which `tf.get_static_value` does not fold through arithmetic); None otherwise."""
+  value = tf.get_static_value(t)
+  if value is not None or depth > 16:
+    return value
+  op = t.op
+  if op.type == "Rank":
+    return None if op.inputs[0].shape.rank is None else np.int32(op.inputs[0].shape.rank)
+  if op.type not in (*_FOLDS, "Pack", "ConcatV2", "Identity", "StridedSlice"):
+    return None
+  args = [folded(i, depth + 1) for i in op.inputs]
+  if any(a is None for a in args):
+    return None
+  if op.type == "StridedSlice":
+    return _folded_slice(op, *args)
+  if op.type == "Pack":
+    return np.stack(args, axis=op.get_attr("axis"))
+  if op.type == "ConcatV2":
+    return np.concatenate(args[:-1], axis=int(args[-1]))
+  return args[0] if op.type == "Identity" else _FOLDS[op.type](*args)
+
+
+def _folded_slice(op: tf.Operation, x: np.ndarray, begin: np.ndarray, end: np.ndarray,
+                  strides: np.ndarray) -> Optional[np.ndarray]:
+  """A StridedSlice of a vector `x` (`shape[i]`, `shape[i:]`) as NumPy slices it; None with
+  an ellipsis or a new axis."""
+  masks = {m: op.get_attr(f"{m}_mask") for m in ("begin", "end", "shrink_axis", "new_axis",
+                                                  "ellipsis")}
+  if x.ndim != 1 or begin.shape != (1,) or masks["new_axis"] or masks["ellipsis"]:
+    return None
+  if masks["shrink_axis"] & 1:
+    return x[int(begin[0])]
+  return x[None if masks["begin"] & 1 else int(begin[0]):
+           None if masks["end"] & 1 else int(end[0]):int(strides[0])]
+
+
+def split_positions(t: tf.Tensor) -> Optional[range]:
+  """The entries of a 1-D vector that `t`, an output of a SplitV of it, holds, where static sizes
+  show them (`tf.signal.frame` splits a shape vector into outer, frame and inner dimensions);
+  None otherwise."""
+  op = t.op
+  if op.type != "SplitV" or op.inputs[0].shape.rank != 1 or constant_value(
+      op.inputs[2]) not in (0, -1):
+    return None
+  splits, n = folded(op.inputs[1]), op.inputs[0].shape[0]
+  splits = None if splits is None else np.atleast_1d(splits).tolist()
+  if splits is None or (-1 in splits and n is None):
+    return None
+  if -1 in splits:
+    splits[splits.index(-1)] = n - sum(splits) - 1
+  start = sum(splits[:t.value_index])
+  return range(start, start + splits[t.value_index])
 
 
 def function_graph(op: tf.Operation, attr: str = "f") -> Optional[tf.Graph]:
@@ -214,6 +280,16 @@ def _data_entries(op: tf.Operation) -> Optional[list[tf.Tensor]]:
   t = op.outputs[0]
   captured = any(internal is t for _, internal in getattr(graph, "captures", ()))
   return [] if captured or t.name not in {x.name for x in graph.inputs} else [t]
+
+
+def row_gradients(losses: tf.Tensor, i: tf.Tensor,
+                  xs: list[tf.Tensor]) -> list[Optional[tf.Tensor]]:
+  """`tf.gradients` of row `i` of the (M,) `losses` with respect to `xs`, seeded by a one-hot
+  `grad_ys` (all zeros if `i` is out of range). Not `tf.gather(losses, i)`: its gradient is
+  scattered into M rows, which XLA cannot compile for M = 0 (an empty Poisson batch; XLA
+  compiles a cond's every branch, and pfor's scatter asks for a static S32 size)."""
+  seed = tf.one_hot(i, tf.shape(losses)[0], dtype=losses.dtype)
+  return tf.gradients(losses, xs, grad_ys=seed)
 
 
 def one_example(loss: tf.Tensor) -> bool:

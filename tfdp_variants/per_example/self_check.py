@@ -46,6 +46,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tfdp_variants.per_example import batch_info as B
 from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example import graph as G
 from tfdp_variants.per_example import trace
 from tfdp_variants.per_example.gradients import PerExampleGradients
 from tfdp_variants.xla import in_xla
@@ -219,11 +220,23 @@ def _engine_values(factor: F.Factor, squared_norms: tf.Tensor, e0: tf.Tensor, e1
                    w: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
   """(5,) what `factor` gives for microbatches 0 and M-1, against exact gradients e0 and e1:
   ||g_0 - e0||², ||g_(M-1) - e1||², ||Σ_m w_m g_m - (e0 + 2·e1)||² with w = e_0 + 2·e_(M-1),
-  ||g_0||² and ||g_(M-1)||² (the forms DP-SGD reads: norms to clip, the weighted sum)."""
+  ||g_0||² and ||g_(M-1)||² (the forms DP-SGD reads: norms to clip, the weighted sum).
+
+  Each row is read as the sum of a slice of at most one row (`_row`): XLA compiles the check's
+  branch for an empty batch too (M = 0, where the branch does not run), and an index into no row
+  does not compile."""
+  last = tf.maximum(m - 1, 0)
   return tf.stack([
-      _sq(factor.materialize(0, 1)[0] - e0), _sq(factor.materialize(m - 1, m)[0] - e1),
+      _sq(_row(factor.materialize(0, tf.minimum(m, 1))) - e0),
+      _sq(_row(factor.materialize(last, m)) - e1),
       _sq(factor.weighted_sum(tf.cast(w, e0.dtype)) - (e0 + 2 * e1)),
-      tf.cast(squared_norms[0], tf.float32), tf.cast(squared_norms[m - 1], tf.float32)])
+      tf.cast(_row(squared_norms[:1]), tf.float32),
+      tf.cast(_row(squared_norms[last:m]), tf.float32)])
+
+
+def _row(rows: tf.Tensor) -> tf.Tensor:
+  """The one row of `rows` (zeros if it has none)."""
+  return tf.reduce_sum(rows, axis=0)
 
 
 def _relative_errors(values: tf.Tensor, q0: tf.Tensor, q1: tf.Tensor) -> tf.Tensor:
@@ -256,7 +269,7 @@ def _exact(variables: list, mb_losses: tf.Tensor, sources: list[tf.Tensor],
     # One backward pass at a time (the second waits for the first's results): the check's peak
     # memory is one backward pass beside the step's, not two.
     with tf.control_dependencies([t for e in exact for t in e]):
-      grads_i = tf.gradients(tf.gather(mb_losses, i), [sources[k] for k in checked])
+      grads_i = G.row_gradients(mb_losses, i, [sources[k] for k in checked])
     exact.append([tf.zeros(variables[k].shape, variables[k].dtype) if g is None else
                   tf.reshape(tf.convert_to_tensor(g), variables[k].shape)
                   for k, g in zip(checked, grads_i)])

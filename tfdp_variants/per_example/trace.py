@@ -104,11 +104,9 @@ def _sized(op: tf.Operation, rule: registry.OpRule, ins: list[B.Info]
   if any(i is None for i in seen):
     return seen, [None] * n
   kind = B.BY_VALUES if B.BY_VALUES in kinds else B.BY_BATCH
-  entries = registry.picked_entries(op, seen) if len(kinds) == 1 and len(
-      [i for i in seen if B.size_kind(i)]) == 1 else None
-  if entries == ():
-    return seen, [B.NO_BATCH] * n
-  return seen, [B.size(kind, entries)] * n
+  picks = len(kinds) == 1 and len([i for i in seen if B.size_kind(i)]) == 1
+  entries = [registry.picked_entries(op, seen, k) if picks else None for k in range(n)]
+  return seen, [B.NO_BATCH if e == () else B.size(kind, e) for e in entries]
 
 
 def _kept_blocks(rule: registry.OpRule, out: B.Info, ins: list[B.Info]) -> B.Info:

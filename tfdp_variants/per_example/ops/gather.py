@@ -20,10 +20,19 @@ from tfdp_variants.per_example.ops import rows
 FAMILY = registry.Family(__name__)
 
 
+def _axis(op: tf.Operation) -> Optional[int]:
+  """A gather's axis (ResourceGather's is 0) where constants and ranks fix it (`tf.signal.frame`
+  computes it from its signal's rank)."""
+  if op.type == "ResourceGather":
+    return 0
+  value = G.folded(op.inputs[2])
+  return None if value is None else int(value)
+
+
 def _gather(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """GatherV2/ResourceGather: rows of an unbatched table by batched ids, or a non-batch axis."""
   params, ids = ins[0], ins[1]
-  axis = 0 if op.type == "ResourceGather" else G.constant_value(op.inputs[2])
+  axis = _axis(op)
   if _per_example_gather(op, ins):  # `tf.gather(..., batch_dims=k)` within each example.
     return params
   if op.get_attr("batch_dims") != 0 or axis is None:
@@ -66,7 +75,7 @@ def _mix_gather(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
     return None
   if B.batched(ids):
     return B.CROSSES
-  axis = G.constant_value(op.inputs[2]) if op.type == "GatherV2" else 0
+  axis = _axis(op)
   rank = G.rank(op.inputs[0])
   along = axis is not None and rank is not None and G.norm(axis, rank) == params.axis
   return SHUFFLES if (along and not params.block and not op.get_attr("batch_dims")

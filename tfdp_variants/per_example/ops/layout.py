@@ -127,8 +127,8 @@ def _computed_rows(op: tf.Operation, ins: list[B.Info], memo: dict, an: interfac
 
 def _entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> S.Size:
   """`S.entry`, where a part of a concatenated shape vector may also be a Slice of another vector
-  at a fixed begin (`_folded`): `tf.nn.softmax_cross_entropy_with_logits` reshapes its labels to
-  `concat([-1], Slice(Shape(labels), [Rank - 1], [1]))`."""
+  at a fixed begin (`graph.folded`): `tf.nn.softmax_cross_entropy_with_logits` reshapes its
+  labels to `concat([-1], Slice(Shape(labels), [Rank - 1], [1]))`."""
   op = S.through_casts(shape).op
   if op.type != "ConcatV2":
     return S.entry(shape, i, block, memo)
@@ -137,7 +137,7 @@ def _entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> S.Size:
     if n is None or part.shape.rank != 1:
       return S.UNKNOWN
     if i < n:
-      begin = _folded(part.op.inputs[1]) if part.op.type == "Slice" else None
+      begin = G.folded(part.op.inputs[1]) if part.op.type == "Slice" else None
       return (S.entry(part, i, block, memo) if begin is None or part.op.inputs[0].shape.rank != 1
               else S.entry(part.op.inputs[0], begin[0] + i, block, memo))
     i -= n
@@ -176,52 +176,6 @@ def _unmerge(info: B.Batch, x: tf.TensorShape, y: tf.TensorShape) -> B.Info:
   return None
 
 
-# Integer ops a permutation is computed with (`tf.nn.softmax` on a non-last axis swaps it with the
-# last one: `concat([range(a), [rank - 1], range(a + 1, rank - 1), [a]])`).
-# `tf.linspace` computes its slice's position with where_v2 on the rank.
-_FOLDS = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply,
-          "FloorMod": np.mod, "Range": np.arange, "Maximum": np.maximum, "Minimum": np.minimum,
-          "GreaterEqual": np.greater_equal, "Less": np.less, "Equal": np.equal,
-          "SelectV2": np.where}
-
-
-def _folded(t: tf.Tensor, depth: int = 0) -> Optional[np.ndarray]:
-  """`t`'s value where constants and static ranks fix it through `_FOLDS`, Pack and ConcatV2
-  (which `tf.get_static_value` does not fold through arithmetic); None otherwise."""
-  value = tf.get_static_value(t)
-  if value is not None or depth > 16:
-    return value
-  op = t.op
-  if op.type == "Rank":
-    return None if op.inputs[0].shape.rank is None else np.int32(op.inputs[0].shape.rank)
-  if op.type not in (*_FOLDS, "Pack", "ConcatV2", "Identity", "StridedSlice"):
-    return None
-  args = [_folded(i, depth + 1) for i in op.inputs]
-  if any(a is None for a in args):
-    return None
-  if op.type == "StridedSlice":
-    return _folded_slice(op, *args)
-  if op.type == "Pack":
-    return np.stack(args, axis=op.get_attr("axis"))
-  if op.type == "ConcatV2":
-    return np.concatenate(args[:-1], axis=int(args[-1]))
-  return args[0] if op.type == "Identity" else _FOLDS[op.type](*args)
-
-
-def _folded_slice(op: tf.Operation, x: np.ndarray, begin: np.ndarray, end: np.ndarray,
-                  strides: np.ndarray) -> Optional[np.ndarray]:
-  """A StridedSlice of a vector `x` (`shape[i]`, `shape[i:]`) as NumPy slices it; None with
-  an ellipsis or a new axis."""
-  masks = {m: op.get_attr(f"{m}_mask") for m in ("begin", "end", "shrink_axis", "new_axis",
-                                                  "ellipsis")}
-  if x.ndim != 1 or begin.shape != (1,) or masks["new_axis"] or masks["ellipsis"]:
-    return None
-  if masks["shrink_axis"] & 1:
-    return x[int(begin[0])]
-  return x[None if masks["begin"] & 1 else int(begin[0]):
-           None if masks["end"] & 1 else int(end[0]):int(strides[0])]
-
-
 def _mix_reshape(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
   """A reshape of example-major x (B, ...) whose new shape puts x's batch size, Shape(x)[0], on
   a later axis p behind an axis of a static size above 1: slot b of axis p then holds entries of
@@ -246,7 +200,7 @@ def _mix_reshape(op: tf.Operation, ins: list[B.Info]) -> Optional[str]:
 
 def _transpose(op: tf.Operation, ins: list[B.Info]) -> B.Info:
   """The batch axis goes where the permutation, fixed at trace time, puts it."""
-  perm = _folded(op.inputs[1])
+  perm = G.folded(op.inputs[1])
   if perm is None or ins[1].axis is not None or ins[0].axis not in perm.tolist():
     return None
   return B.Batch(perm.tolist().index(ins[0].axis))
@@ -314,12 +268,27 @@ def _strided_slice(op: tf.Operation, ins: list[B.Info], window: bool = False) ->
     if bit("new_axis_mask", i):
       o += 1
     elif a == b:
-      whole = (window and stride > 0) or (bit("begin_mask", i) and bit("end_mask", i)
-                                           and stride == 1)
+      whole = (window and stride > 0) or (stride == 1 and (bit("begin_mask", i) or _zero_at(
+          op.inputs[1], i)) and (bit("end_mask", i) or _own_size_at(op, i, a)))
       return B.Batch(o) if whole and not bit("shrink_axis_mask", i) else None
     else:
       a, o = a + 1, o + (0 if bit("shrink_axis_mask", i) else 1)
   return B.Batch(o + b - a)
+
+
+def _zero_at(begin: tf.Tensor, i: int) -> bool:
+  """Whether entry i of a slice's `begin` is 0, where constants and ranks fix it."""
+  value = G.folded(begin)
+  return value is not None and value.ndim == 1 and i < len(value) and value[i] == 0
+
+
+def _own_size_at(op: tf.Operation, i: int, a: int) -> bool:
+  """Whether entry i of a StridedSlice's `end` is its input's size along axis a: read from the
+  input's shape, or the static size itself (`tf.signal.frame` slices `x[0:Shape(x)[0], 0:n]`
+  in one StridedSlice, folded to constants for a batch of static size)."""
+  size, x = S.entry(op.inputs[2], i, (), {}), op.inputs[0]
+  return (size.dim is not None and G.same(size.dim[0], x) and size.dim[1] == a) or (
+      size.value is not None and size.value == x.shape[a])
 
 
 def _ellipsis_slice(op: tf.Operation, ins: list[B.Info]) -> B.Info:
@@ -415,7 +384,7 @@ def _window(op: tf.Operation, ins: list[B.Info], memo: dict) -> Optional[B.Batch
   if (not isinstance(x, B.Batch) or x.block or x.axis not in (0, None) or not G.rank(source)
       or not all(map(_position, op.inputs[1:]))):
     return None
-  begin = _folded(op.inputs[1])
+  begin = G.folded(op.inputs[1])
   begin = None if begin is None else begin.tolist()
   if op.type == "Slice":
     size = G.constant_value(op.inputs[2])

@@ -116,24 +116,28 @@ def shape_args(op: tf.Operation) -> frozenset:
   return SHAPE_ARGS.get(op.type, frozenset())
 
 
-def picked_entries(op: tf.Operation, ins: list) -> Optional[tuple[int, ...]]:
-  """The entries of `op`'s output that are sizes, where `op` picks entries of one shape vector at
-  static positions (Identity, Cast, a 1-D StridedSlice or GatherV2) or packs scalars; () if it
-  picks no size, None if every entry may be one."""
+def picked_entries(op: tf.Operation, ins: list, k: int = 0) -> Optional[tuple[int, ...]]:
+  """The entries of `op`'s output `k` that are sizes, where `op` picks entries of one shape vector
+  at static positions (Identity, Cast, a 1-D StridedSlice, GatherV2 or SplitV) or packs scalars;
+  () if it picks no size, None if every entry may be one."""
   def entries(info):
     block = getattr(info, "block", ())
     return block[2] if block[:1] == ("size",) else ()
   if op.type == "Pack" and op.get_attr("axis") == 0 and all(i.shape.rank == 0 for i in op.inputs):
     return tuple(k for k, info in enumerate(ins) if entries(info) != ())
   source = entries(ins[0]) if ins else None
-  if source is None or op.type not in ("Identity", "Cast", "StridedSlice", "GatherV2"):
+  if source is None or op.type not in ("Identity", "Cast", "StridedSlice", "GatherV2", "SplitV"):
     return None
   if op.type in ("Identity", "Cast"):
     return source
   n = op.inputs[0].shape[0] if op.inputs[0].shape.rank == 1 else None
   if n is None:
     return None
-  if op.type == "GatherV2":
+  if op.type == "SplitV":
+    picked = G.split_positions(op.outputs[k])
+    if picked is None:
+      return None
+  elif op.type == "GatherV2":
     ids = G.constant_value(op.inputs[1])
     if G.constant_value(op.inputs[2]) != 0 or ids is None:
       return None
@@ -149,7 +153,7 @@ def picked_entries(op: tf.Operation, ins: list) -> Optional[tuple[int, ...]]:
       picked = list(range(n))[slice(None if op.get_attr("begin_mask") & 1 else begin,
                                     None if op.get_attr("end_mask") & 1 else end, stride)]
   sizes = tuple(j for j, p in enumerate(picked) if p in source)
-  return sizes if sizes == () or op.outputs[0].shape.rank else None
+  return sizes if sizes == () or op.outputs[k].shape.rank else None
 
 
 # The rule of an op type no family registered: none of the hooks, so its outputs are unknown, and

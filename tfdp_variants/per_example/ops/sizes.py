@@ -53,13 +53,17 @@ def entry(shape: tf.Tensor, i: int, block: tuple, memo: dict) -> Size:
         return entry(part, i, block, memo)
       i -= n
     return UNKNOWN
-  j = _source_entry(op, i, block, memo)
+  j = _source_entry(shape, i, block, memo)
   return UNKNOWN if j is None else entry(op.inputs[0], j, block, memo)
 
 
-def _source_entry(op: tf.Operation, i: int, block: tuple, memo: dict) -> Optional[int]:
-  """The entry of a 1-D StridedSlice's or GatherV2's input that is its output's entry i, where
-  static positions show it."""
+def _source_entry(t: tf.Tensor, i: int, block: tuple, memo: dict) -> Optional[int]:
+  """The entry of a 1-D StridedSlice's, GatherV2's or SplitV's input that is entry i of `t`, its
+  output, where static positions show it."""
+  op = t.op
+  if op.type == "SplitV":
+    picked = G.split_positions(t)
+    return picked[i] if picked is not None and i < len(picked) else None
   if op.type == "GatherV2" and G.constant_value(op.inputs[2]) == 0 and not op.get_attr(
       "batch_dims"):
     ids = G.constant_value(op.inputs[1])
