@@ -13,7 +13,7 @@ then reports its peak resident memory (`ru_maxrss`: TF's CPU allocator keeps no 
 `tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the memory before the
 first step (what the step and its graphs add to the built model, the runtime's ~1 GiB aside).
 
-  python bench/memory.py [--models=groupnorm_cnn,bert] [--batches=32,128,512] [--steps=2]
+  python bench/memory.py [--mem_models=groupnorm_cnn,bert] [--batches=32,128,512] [--mem_steps=2]
       [--hub_size=issue40|small]
 """
 
@@ -33,7 +33,8 @@ import numpy as np
 from hub_models import HUB_MODELS, Size  # bench/hub_models.py.
 import step_time  # bench/step_time.py: the rows, `stack`, the convnet.
 
-_MODELS = flags.DEFINE_list("models", ["groupnorm_cnn", "bert"], "groupnorm_cnn and/or bert.")
+_MODELS = flags.DEFINE_list("mem_models", ["groupnorm_cnn", "bert"],
+                            "groupnorm_cnn (or another step_time workload) and/or bert.")
 _BATCHES = flags.DEFINE_list("batches", ["32", "128", "512"], "Batch sizes.")
 _STEPS_MEM = flags.DEFINE_integer("mem_steps", 2, "Steps after the first.")
 _HUB_SIZE = flags.DEFINE_enum("hub_size", "issue40", ["issue40", "small"], "BERT's size.")
