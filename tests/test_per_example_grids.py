@@ -374,6 +374,21 @@ def test_fit_clips_exact_per_example_gradients(name):
     np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
 
 
+def test_strided_depthwise_rule_in_float64():
+  """The rule dilates its correlation by the op's strides through SpaceToBatchND: TF's CPU
+  depthwise kernel takes a dilations attribute in float32 alone."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([
+      L.Input((7, 8, 3), dtype="float64"),
+      L.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2, dtype="float64"),
+      L.Flatten(dtype="float64"), L.Dense(2, dtype="float64")])
+  x, y = tf.cast(_floats(B, 7, 8, 3), tf.float64), tf.cast(_floats(B, 2), tf.float64)
+  ours, taken = engine_helpers.gradients_and_rules(model, x, y)
+  for g, r, v in zip(ours, _reference(model, x, y, B), model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-12, err_msg=v.name)
+  assert taken == ["depthwise", "rowsum", "outer", "rowsum"]
+
+
 def test_paper_cnn_and_models_stay_on_the_fast_path():
   """Issue 7's speed bound: the analysis must not send common layers to the fallback."""
   model = tf.keras.Sequential([

@@ -7,8 +7,8 @@ correlation of its data with its output gradient dz,
 
     g_e[j, c, k] = Σ_p x̃_e[j + p·s, c] dz_e[p, c·K + k],
 
-a VALID depthwise convolution of x̃_e by the "kernel" dz_e dilated by s, whose output is exactly
-the kernel's J positions. Every example's channels are moved into the channels of one batch-free
+a VALID depthwise convolution of x̃_e by the "kernel" dz_e dilated by s (atrous, through
+SpaceToBatchND), whose output is exactly the kernel's J positions. Every example's channels are moved into the channels of one batch-free
 convolution (examples as channels: x̃ (1, ·, ·, rows · C), dz (·, ·, rows · C, K)), so one call of
 TF's own depthwise kernel gives each row's gradient, and the rows of a microbatch (several
 examples, or a dilated conv's SpaceToBatchND blocks: `B.Batch.block`) are summed. The result is
@@ -80,12 +80,12 @@ def _padded(op: tf.Operation, x: tf.Tensor, positions: list) -> tf.Tensor:
   return tf.pad(x, [[0, 0], *pads, [0, 0]])[:, :extents[0], :extents[1]]
 
 
-def _as_channels(t: tf.Tensor, m: tf.Tensor, blocks: int) -> tf.Tensor:
-  """(*spatial, M · R · C) of `t` (blocks · N, *spatial, C): each microbatch's R = blocks · N / M
-  rows moved into the channels, microbatch-major (`blocks` blocks of examples on axis 0,
-  block-major, each example-major)."""
+def _as_channels(t: tf.Tensor, m: tf.Tensor, blocks: int, channels: int) -> tf.Tensor:
+  """(*spatial, M · R · C) of `t` (blocks · N, *spatial, C = `channels`): each microbatch's
+  R = blocks · N / M rows moved into the channels, microbatch-major (`blocks` blocks of examples
+  on axis 0, block-major, each example-major)."""
   spatial = [t.shape[i] if t.shape[i] is not None else tf.shape(t)[i] for i in (1, 2)]
-  t = tf.reshape(t, [blocks, m, -1, *spatial, t.shape[-1]])
+  t = tf.reshape(t, [blocks, m, -1, *spatial, channels])
   return tf.reshape(tf.transpose(t, [3, 4, 1, 0, 2, 5]), [*spatial, -1])
 
 
@@ -96,11 +96,11 @@ def _factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variable,
   blocks = _blocks(op, op.inputs[1], an)
   dz = tf.cast(grad, var.dtype)
   positions = [dz.shape[i] if dz.shape[i] is not None else tf.shape(dz)[i] for i in (1, 2)]
-  x = _as_channels(_padded(op, tf.cast(op.inputs[0], var.dtype), positions), m, blocks)
-  kernel = tf.reshape(_as_channels(dz, m, blocks), [*positions, -1, k])
-  g = tf.raw_ops.DepthwiseConv2dNative(
-      input=x[None], filter=kernel, strides=[1, 1, 1, 1], padding="VALID",
-      dilations=[1, *op.get_attr("strides")[1:3], 1])
+  x = _as_channels(_padded(op, tf.cast(op.inputs[0], var.dtype), positions), m, blocks, c)
+  kernel = tf.reshape(_as_channels(dz, m, blocks, c * k), [*positions, -1, k])
+  # Dilated by SpaceToBatchND (`tf.nn`'s atrous conv): TF's CPU kernel dilates float32 alone.
+  g = tf.nn.depthwise_conv2d(x[None], kernel, [1, 1, 1, 1], "VALID",
+                             dilations=op.get_attr("strides")[1:3])
   g = tf.reduce_sum(tf.reshape(g, [j0, j1, m, -1, c, k]), 3)
   # `var` may reach the op reshaped (DepthwiseConv1D expands its kernel to (1, ·, C, K)).
   return F.Dense(tf.reshape(tf.transpose(g, [2, 0, 1, 3, 4]), [m, *var.shape]), rule="depthwise")
