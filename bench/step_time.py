@@ -1,4 +1,4 @@
-"""Step time of eight models under each optimizer, as ratios to the non-private step.
+"""Step time of the models below under each optimizer, as ratios to the non-private step.
 
 Models (synthetic data, no downloads; Adam as the base optimizer, one example per microbatch):
 
@@ -16,7 +16,10 @@ Models (synthetic data, no downloads; Adam as the base optimizer, one example pe
   batch 64 (issue 16);
 * `groupnorm_cnn`: 32×32×3 inputs, Conv 32 → GroupNorm → Conv 64 stride 2 → GroupNorm → Conv 128
   stride 2 → GroupNorm (3×3 convs, 8 groups, ReLU after each norm) → global average pooling →
-  Dense(10), batch 64 (issue 16).
+  Dense(10), batch 64 (issue 16);
+* `convmixer`: keras.io's ConvMixer-256/8 on 32×32×3 images (patch 2, depthwise kernel 5), its
+  BatchNormalizations replaced by GroupNormalization (`batch_norm_to_group_norm`), batch 32
+  (issue 49, item 5).
 
 Each (model, row) pair is timed in its own process (`--row` and `--model` select one; it prints one
 JSON line), so a row's graphs, caches and memory never slow the next one. This process launches
@@ -163,6 +166,20 @@ def _groupnorm_cnn_layers() -> list:
   return layers + [L.GlobalAveragePooling2D(), L.Dense(10)]
 
 
+def _conv_mixer_layers() -> list:
+  """keras.io's ConvMixer-256/8 ("Image classification with ConvMixer": patch 2, kernel 5, GELU),
+  its BatchNormalizations replaced by `tfdp_variants.batch_norm_to_group_norm`, as one layer."""
+  def norm(h):
+    return L.BatchNormalization()(L.Activation("gelu")(h))
+  x = L.Input((32, 32, 3))
+  h = norm(L.Conv2D(256, 2, strides=2)(L.Rescaling(1 / 255)(x)))
+  for _ in range(8):
+    h = L.Add()([norm(L.DepthwiseConv2D(5, padding="same")(h)), h])
+    h = norm(L.Conv2D(256, 1)(h))
+  model = tf.keras.Model(x, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+  return [tfdp_variants.batch_norm_to_group_norm(model)]
+
+
 WORKLOADS = {
     "cnn": Workload("paper CNN", _cnn_layers,
                     lambda rng, b: (rng.random((b, 28, 28, 1), np.float32), rng.integers(0, 10, b)),
@@ -187,6 +204,9 @@ WORKLOADS = {
     "groupnorm_cnn": Workload("GroupNorm convnet", _groupnorm_cnn_layers,
                               lambda rng, b: (rng.random((b, 32, 32, 3), np.float32),
                                               rng.integers(0, 10, b)), 64),
+    "convmixer": Workload("keras.io's ConvMixer-256/8, GroupNorm", _conv_mixer_layers,
+                          lambda rng, b: (255 * rng.random((b, 32, 32, 3), np.float32),
+                                          rng.integers(0, 10, b)), 32),
 }
 
 if hasattr(L.Dense, "enable_lora"):  # Keras 3.

@@ -178,6 +178,21 @@ def _lora_attention():
   return model
 
 
+def _conv_mixer():
+  """keras.io's ConvMixer ("Image classification with ConvMixer", Trockman and Kolter 2022) at toy
+  size, its BatchNormalizations replaced (`batch_norm_to_group_norm`): a strided patch conv, then
+  a depthwise conv and a pointwise one, each followed by GELU and the norm, the depthwise one
+  residual."""
+  def norm(h):
+    return L.BatchNormalization()(L.Activation("gelu")(h))
+  x = L.Input((8, 8, 3))
+  h = norm(L.Conv2D(4, 2, strides=2)(x))
+  h = L.Add()([norm(L.DepthwiseConv2D(3, padding="same")(h)), h])
+  h = norm(L.Conv2D(4, 1)(h))
+  return tfdp_variants.batch_norm_to_group_norm(
+      tf.keras.Model(x, L.Dense(2)(L.GlobalAveragePooling2D()(h))))
+
+
 # name -> (model builder, inputs, expected rule per variable (None: any; the list None: unchecked)).
 ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] = {
     "conv2d_dense": (lambda: _seq((6, 6, 2), L.Conv2D(3, 3, activation="relu"), L.MaxPool2D(),
@@ -265,18 +280,18 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     # gradient of the conv from the output back to the data), strided, dilated, padded.
     "depthwise_conv2d": (lambda: _seq((6, 6, 2), L.DepthwiseConv2D(3, depth_multiplier=2),
                                       L.Flatten(), L.Dense(2)),
-                         _floats(B, 6, 6, 2), ["grouped", "rowsum", *DENSE]),
+                         _floats(B, 6, 6, 2), ["depthwise", "rowsum", *DENSE]),
     "depthwise_conv2d_strided": (lambda: _seq((7, 7, 3), L.DepthwiseConv2D(3, strides=2,
                                                                            padding="same"),
                                               L.Flatten(), L.Dense(2)),
-                                 _floats(B, 7, 7, 3), ["grouped", "rowsum", *DENSE]),
+                                 _floats(B, 7, 7, 3), ["depthwise", "rowsum", *DENSE]),
     "separable_conv2d": (lambda: _seq((6, 6, 2), L.SeparableConv2D(3, 3, strides=2,
                                                                    padding="same"),
                                       L.Flatten(), L.Dense(2)),
-                         _floats(B, 6, 6, 2), ["grouped", "outer", "rowsum", *DENSE]),
+                         _floats(B, 6, 6, 2), ["depthwise", "outer", "rowsum", *DENSE]),
     "separable_conv1d": (lambda: _seq((8, 2), L.SeparableConv1D(3, 3, depth_multiplier=2),
                                       L.Flatten(), L.Dense(2)),
-                         _floats(B, 8, 2), ["grouped", "outer", "rowsum", *DENSE]),
+                         _floats(B, 8, 2), ["depthwise", "outer", "rowsum", *DENSE]),
     "conv3d": (lambda: _seq((4, 5, 4, 2), L.Conv3D(3, 2, strides=(1, 2, 1), padding="same"),
                             L.Flatten(), L.Dense(2)),
                _floats(B, 4, 5, 4, 2), DENSE * 2),
@@ -344,7 +359,9 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     "depthwise_conv2d_dilated": (lambda: _seq((7, 7, 2), L.DepthwiseConv2D(3, dilation_rate=2,
                                                                            padding="same"),
                                               L.Flatten(), L.Dense(2)),
-                                 _floats(B, 7, 7, 2), ["grouped", "rowsum", *DENSE]),
+                                 _floats(B, 7, 7, 2), ["depthwise", "rowsum", *DENSE]),
+    "conv_mixer": (_conv_mixer, _floats(B, 8, 8, 3),
+                   DENSE + NORM + ["depthwise", "rowsum"] + NORM + DENSE + NORM + DENSE),
     "time_distributed_dense": (lambda: _seq((3, 4), L.TimeDistributed(L.Dense(5)), L.Flatten(),
                                             L.Dense(2)),
                                _floats(B, 3, 4), DENSE * 2),
@@ -454,14 +471,14 @@ if hasattr(L, "GroupQueryAttention"):  # Keras 3 only; its key and value heads a
 if hasattr(L, "DepthwiseConv1D"):
   ZOO["depthwise_conv1d"] = (
       lambda: _seq((7, 3), L.DepthwiseConv1D(3, depth_multiplier=2), L.Flatten(), L.Dense(2)),
-      _floats(B, 7, 3), ["grouped", "rowsum", *DENSE])
+      _floats(B, 7, 3), ["depthwise", "rowsum", *DENSE])
 FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "transformer_block",
        "subclassed", "group_norm", "einsum_dense_3d", "attention_4_heads", "prelu", "lstm",
        "einsum_dense_right_ellipsis", "depthwise_conv2d", "conv3d_grouped", "conv2d_transpose",
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
        "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells", "conv2d_grouped_dilated",
        "conv3d_channels_first_grouped", "conv2d_transpose_channels_first",
-       "einsum_dense_transposed_kernel", "tied_transpose",
+       "einsum_dense_transposed_kernel", "tied_transpose", "conv_mixer",
        *(["dense_lora"] if "dense_lora" in ZOO else [])]
 
 
@@ -548,7 +565,7 @@ UNKNOWN_SIZES = {  # Models on data of unknown spatial sizes: input shape, layer
         L.Conv2DTranspose(2, 3, strides=2, output_padding=1), L.Conv2D(2, 3, dilation_rate=2),
         _DilatedConv(), L.Conv2DTranspose(2, 3, dilation_rate=2, padding="same"),
         L.GlobalAveragePooling2D(), L.Dense(2)], (9, 8, 2),
-        ["grouped", "rowsum", "outer", "rowsum", "outer", "rowsum", "outer", *DENSE * 2]),
+        ["depthwise", "rowsum", "outer", "rowsum", "outer", "rowsum", "outer", *DENSE * 2]),
     # The last conv's SAME padding would be negative (−2 on the last axis, of 6):
     # `tf.extract_volume_patches` shifts such windows, Conv3D does not.
     "3d": ((None, None, None, 2), lambda: [
@@ -558,7 +575,7 @@ UNKNOWN_SIZES = {  # Models on data of unknown spatial sizes: input shape, layer
     "1d": ((None, 2), lambda: [
         L.Conv1D(2, 3, padding="causal", dilation_rate=2), L.SeparableConv1D(2, 3),
         L.Conv1DTranspose(2, 3, strides=2), L.GlobalAveragePooling1D(), L.Dense(2)], (9, 2),
-        ["outer", "rowsum", "grouped", "outer", "rowsum", *DENSE * 2]),
+        ["outer", "rowsum", "depthwise", "outer", "rowsum", *DENSE * 2]),
 }
 
 

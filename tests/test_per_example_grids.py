@@ -205,6 +205,46 @@ CONV_GRID.update({
         3, 2, dilation_rate=2, data_format="channels_first")), _floats(B, 2, 4, 4)),
 })
 
+class _DepthwiseOp(L.Layer):
+  """A DepthwiseConv2dNative of strides 2 and its own padding: explicit (Keras pads only SAME or
+  VALID), or SAME dilated by the op's attribute (Keras dilates through SpaceToBatchND; TF's CPU
+  kernel gradient of such an op disagrees with its forward, and the rule leaves it to the fallback,
+  which agrees with the tape)."""
+
+  def __init__(self, dilated: bool):
+    super().__init__()
+    self.dilated = dilated
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(name="kernel", shape=(3, 2, input_shape[-1], 2))
+
+  def call(self, x):
+    if self.dilated:
+      return tf.raw_ops.DepthwiseConv2dNative(input=x, filter=self.kernel, strides=[1, 2, 2, 1],
+                                              dilations=[1, 2, 1, 1], padding="SAME")
+    return tf.raw_ops.DepthwiseConv2dNative(input=x, filter=self.kernel, strides=[1, 2, 2, 1],
+                                            padding="EXPLICIT",
+                                            explicit_paddings=[0, 0, 2, 1, 0, 3, 0, 0])
+
+
+DEPTHWISE_GRID = {  # Rule "depthwise": strides × padding × dilation, two kernels per channel.
+    f"depthwise_s{s}_{p}_d{d}": (
+        lambda s=s, p=p, d=d: _seq((7, 8, 3), L.DepthwiseConv2D(
+            (3, 2), strides=s, padding=p, dilation_rate=d, depth_multiplier=2)),
+        _floats(B, 7, 8, 3))
+    for s, p, d in itertools.product([1, 2], ["valid", "same"], [1, 2]) if not (s == 2 and d == 2)}
+DEPTHWISE_GRID.update({
+    # Keras moves channels-first data to channels last around the op (on CPU).
+    "depthwise_cf_s2_same": (lambda: _seq((3, 7, 8), L.DepthwiseConv2D(
+        3, strides=2, padding="same", depth_multiplier=2, data_format="channels_first")),
+                             _floats(B, 3, 7, 8)),
+    **{f"depthwise_op_{kind}": (lambda kind=kind: _seq((9, 8, 3), _DepthwiseOp(kind == "dilated")),
+                                _floats(B, 9, 8, 3)) for kind in ("explicit", "dilated")},
+    "separable_s2_d1": (lambda: _seq((7, 7, 3), L.SeparableConv2D(4, 3, strides=2)),
+                        _floats(B, 7, 7, 3)),
+})
+CONV_GRID.update(DEPTHWISE_GRID)
+
 OTHER = {
     "embedding": (lambda: _seq((5,), L.Embedding(7, 3)), _ints(B, 5)),
     "embedding_ragged": (_ragged_embedding, _ragged_ids()),
@@ -240,6 +280,10 @@ OTHER = {
 RULES = {  # Channels first: no fallback (data and output gradients moved to channels last).
     **{name: ["grouped" if "_g2" in name else "outer", "rowsum", "outer", "rowsum"]
        for name in CONV_GRID if "_cf_" in name},
+    **{name: ["depthwise", *(["outer"] if name.startswith("separable") else []),
+              *(["rowsum"] if "_op_" not in name else []), "outer", "rowsum"]
+       for name in DEPTHWISE_GRID},
+    "depthwise_op_dilated": ["fallback", "outer", "rowsum"],
     "conv2d_g2_s1_valid_d1": ["grouped", "rowsum", "outer", "rowsum"],
     "conv1d_g2_s1_d1": ["grouped", "rowsum", "outer", "rowsum"],
     # Rows of a ragged argument, which its splits partition into examples; summed by the row ids
@@ -328,6 +372,21 @@ def test_fit_clips_exact_per_example_gradients(name):
   assert np.all(scale < 1)  # The clip binds.
   for got, w, v in zip(model.get_weights(), want, model.trainable_variables):
     np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
+
+
+def test_strided_depthwise_rule_in_float64():
+  """The rule dilates its correlation by the op's strides through SpaceToBatchND: TF's CPU
+  depthwise kernel takes a dilations attribute in float32 alone."""
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([
+      L.Input((7, 8, 3), dtype="float64"),
+      L.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2, dtype="float64"),
+      L.Flatten(dtype="float64"), L.Dense(2, dtype="float64")])
+  x, y = tf.cast(_floats(B, 7, 8, 3), tf.float64), tf.cast(_floats(B, 2), tf.float64)
+  ours, taken = engine_helpers.gradients_and_rules(model, x, y)
+  for g, r, v in zip(ours, _reference(model, x, y, B), model.trainable_variables):
+    np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-12, err_msg=v.name)
+  assert taken == ["depthwise", "rowsum", "outer", "rowsum"]
 
 
 def test_paper_cnn_and_models_stay_on_the_fast_path():

@@ -9,9 +9,9 @@ materializing them (Opacus' grad samplers, TF Privacy's fast gradient clipping):
 * `Gather` (Embedding):     g_m = Σ_t onehot(I[m, t]) ⊗ D[m, t].
 * `Columns` (grouped conv, a split variable): g_m = [g_m¹ … g_mᴳ], one factor per block of an
   axis.
-* `GroupedOuter` (depthwise conv, grouped Conv3D): G `Outer`s batched along a group axis.
+* `GroupedOuter` (grouped Conv3D, experts): G `Outer`s batched along a group axis.
 * `Permuted` (a transposed read): another factor's g_m, its axes permuted.
-* `Dense`  (exact fallback): the materialized tensor G[m].
+* `Dense`  (exact fallback; depthwise kernels, `ops/depthwise.py`): the materialized tensor G[m].
 
 Each answers the questions an algorithm asks: per-microbatch squared norms, a weighted sum
 Σ_m w_m g_m, the materialized g_m for a slice of microbatches, the Gram matrix ⟨g_m, g_n⟩ and the

@@ -1,5 +1,5 @@
-"""`Gather` (Embedding), `Columns` (blocks of an axis), `GroupedOuter` (depthwise and grouped
-convs), `Dense` (the exact fallback), `Permuted` (a transposed read)."""
+"""`Gather` (Embedding), `Columns` (blocks of an axis), `GroupedOuter` (grouped convs,
+experts), `Dense` (the exact fallback, depthwise kernels), `Permuted` (a transposed read)."""
 
 from __future__ import annotations
 
@@ -207,8 +207,8 @@ class Columns:
 @dataclasses.dataclass
 class GroupedOuter:
   """g_m = reshape(G_m, shape), G_m[k, g, o] = Σ_t A[m,t,g,k] D[m,t,g,o]; A: (M, T, G, K),
-  D: (M, T, G, O): G independent `Outer`s laid out (K, G, O) (a depthwise conv's kernel: one group
-  per channel; a grouped Conv3D's); rows m not in `keep` (when set) are zero."""
+  D: (M, T, G, O): G independent `Outer`s laid out (K, G, O) (a grouped Conv3D's kernel, experts'
+  kernels); rows m not in `keep` (when set) are zero."""
 
   a: tf.Tensor
   d: tf.Tensor

@@ -1,21 +1,18 @@
 """The convolutions, pools and resizes: their batch axis (axis 0 of the data kept), and the
-per-example rules of the kernels beyond Conv2D's (`conv2d.py`): depthwise, 3-D (grouped too),
-transposed, and dilated 2-D convs.
+per-example rules of the kernels beyond Conv2D's (`conv2d.py`) and the depthwise one's
+(`depthwise.py`): 3-D (grouped too), transposed, and dilated 2-D convs.
 
 Each rule reads the rows of one example from the patches of the op's data (`patches`, gathered
 in the op's own padding, strides and dilations, or `shifted` slices, one per kernel offset) and
 the gradient of its output:
 
-* `DepthwiseConv2dNative` (DepthwiseConv2D, SeparableConv1D/2D's depthwise kernel): channel c's
-  kernel is Σ_p patch_p[c]ᵀ dz_p[c], a `GroupedOuter` with one group per input channel.
 * `Conv3D`: Σ_p patch_pᵀ dz_p, an `Outer`; grouped (Keras' grouped Conv3D is a call of a function
   whose body is the Conv3D), a `GroupedOuter` of the groups' channels.
 * `Conv2DBackpropInput`, `Conv3DBackpropInputV2` (Conv1D/2D/3DTranspose): the op is the input
   gradient of a conv z ↦ y whose kernel gradient is Conv*BackpropFilter(dy, z):
   Σ_p patch(dy)_pᵀ z_p, an `Outer` of the output gradient's patches and the data's rows.
-* A Conv2D, DepthwiseConv2dNative or ungrouped Conv3D of a SpaceToBatchND (how TF dilates them):
-  the data's axis 0 holds blocks of examples (`B.Batch.block`), whose rows are regrouped by
-  example.
+* A Conv2D or ungrouped Conv3D of a SpaceToBatchND (how TF dilates them): the data's axis 0 holds
+  blocks of examples (`B.Batch.block`), whose rows are regrouped by example.
 * A grouped conv dilated inside its call (`SpaceToBatchND` → conv → `BatchToSpaceND`,
   `Blocked`): the dilated conv of the call's data, padded as the blocks were.
 
@@ -71,7 +68,7 @@ def _out_size(size, k: int, stride: int, dilation: int, padding: str) -> tuple:
   if padding == "VALID":
     return (size - span) // stride + 1, 0
   out = -(-size // stride)
-  return out, _at_least_zero((out - 1) * stride + span - size) // 2
+  return out, at_least_zero((out - 1) * stride + span - size) // 2
 
 
 def shifted(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[int],
@@ -241,9 +238,10 @@ def _windows(op: tf.Operation, data: tf.Tensor, out: tf.Tensor, ksize: list[int]
   return strides, dilations, padding
 
 
-def _blocks(x: tf.Tensor, an: interfaces.Analysis) -> Optional[int]:
-  """How many blocks axis 0 of `x` holds: 1 if it is the examples, prod(block shape) after a
-  SpaceToBatchND (a dilated conv; block-major, each block example-major), None if unproven."""
+def batch_blocks(x: tf.Tensor, an: interfaces.Analysis) -> Optional[int]:
+  """How many blocks axis 0 of a conv's data `x` holds: 1 if it is the examples, prod(block
+  shape) after a SpaceToBatchND (a dilated conv; block-major, each block example-major), None if
+  unproven."""
   info = an.batch_info(x)
   if not isinstance(info, B.Batch) or info.axis != 0 or info.block[:1] == B.MERGED:
     return None
@@ -266,7 +264,7 @@ def patches(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[
   static = x.shape[1:-1].is_fully_defined()
   sizes = x.shape[1:-1].as_list() if static else tf.unstack(tf.shape(x, out_type=tf.int64)[1:-1])
   outs, pads = zip(*(_out_size(*a, padding) for a in zip(sizes, ksize, strides, dilations)))
-  after = [_at_least_zero((o - 1) * s + d * (k - 1) + 1 - n - p)
+  after = [at_least_zero((o - 1) * s + d * (k - 1) + 1 - n - p)
            for o, s, d, k, n, p in zip(outs, strides, dilations, ksize, sizes, pads)]
   if not static or any(pads) or any(after):
     x = tf.pad(x, [[0, 0], *([p, a] for p, a in zip(pads, after)), [0, 0]])
@@ -287,7 +285,8 @@ def patches(x: tf.Tensor, ksize: list[int], strides: list[int], dilations: list[
                            math.prod(ksize) * x.shape[-1]])
 
 
-def _at_least_zero(v):
+def at_least_zero(v):
+  """max(v, 0) of a static size (an int) or one known at run time (a tensor)."""
   return max(v, 0) if isinstance(v, int) else tf.maximum(v, 0)
 
 
@@ -308,40 +307,6 @@ def _rows(t: tf.Tensor, m: tf.Tensor, dtype: tf.DType, blocks: int, *widths: int
 
 
 # ---------------------------------------------------------------------------------------------
-# DepthwiseConv2dNative.
-
-
-def _depthwise_use(op: tf.Operation, var_input: tf.Tensor,
-                   an: interfaces.Analysis) -> Optional[tuple]:
-  """(blocks of the data, strides, dilations, padding), or None."""
-  if (op.type != "DepthwiseConv2dNative" or not G.same(op.inputs[1], var_input)
-      or G.same(op.inputs[0], var_input)):
-    return None
-  x, w = op.inputs[0], op.inputs[1]
-  if not w.shape.is_fully_defined() or x.shape.rank != 4 or w.shape[2] != x.shape[-1]:
-    return None
-  windows = _windows(op, x, op.outputs[0], w.shape[:2])
-  blocks = _blocks(x, an)
-  return None if windows is None or blocks is None else (blocks, *windows)
-
-
-def match_depthwise(op: tf.Operation, var_input: tf.Tensor,
-                    an: interfaces.Analysis) -> Optional[str]:
-  return None if _depthwise_use(op, var_input, an) is None else "depthwise"
-
-
-def depthwise_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor,
-                     var: tf.Variable, an: interfaces.Analysis) -> F.Factor:
-  """Depthwise z[c·K + k] = x[c] ⋆ w[:, :, c, k]: channel c's kernel gradient is
-  Σ_p patch_p[c]ᵀ dz_p[c, :], one group per input channel."""
-  kh, kw, c, mult = op.inputs[1].shape
-  blocks, *windows = _depthwise_use(op, op.inputs[1], an)
-  a = tf.transpose(_rows(patches(op.inputs[0], [kh, kw], *windows), m, var.dtype, blocks,
-                         kh * kw, c), [0, 1, 3, 2])
-  return F.GroupedOuter(a, _rows(grad, m, var.dtype, blocks, c, mult), tuple(var.shape))
-
-
-# ---------------------------------------------------------------------------------------------
 # Conv2D of a SpaceToBatchND (a dilated Conv2D; the "conv" rule takes example-major data).
 
 
@@ -355,7 +320,7 @@ def _blocked_conv2d_use(op: tf.Operation, var_input: tf.Tensor,
       or w.shape[2] != _last_shape(x.shape, channels_first(op))[-1]):
     return None
   windows = _windows(op, x, op.outputs[0], w.shape[:2], allow_first=True)
-  blocks = _blocks(x, an)
+  blocks = batch_blocks(x, an)
   return None if windows is None or blocks is None or blocks < 2 else (blocks, *windows)
 
 
@@ -466,7 +431,7 @@ def _conv3d_use(op: tf.Operation, var_input: tf.Tensor,
     windows = ([1, 1, 1], list(space.block), "VALID")
   else:
     windows = _windows(conv, x, op.outputs[0], w.shape[:3], allow_first=True)
-  blocks = _blocks(x, an)
+  blocks = batch_blocks(x, an)
   if windows is None or blocks is None or (blocks > 1 and conv is not op):
     return None
   return (conv, x, groups, blocks, *windows, space)
@@ -515,7 +480,7 @@ def _transposed_use(op: tf.Operation,
       or _last_shape(y.shape, first)[-1] not in (None, w.shape[-2])
       or w.shape[-1] != _last_shape(z.shape, first)[-1]):
     return None
-  windows, blocks = _windows(op, y, z, w.shape[:-2], allow_first=True), _blocks(z, an)
+  windows, blocks = _windows(op, y, z, w.shape[:-2], allow_first=True), batch_blocks(z, an)
   return None if windows is None or blocks is None else (blocks, *windows)
 
 
@@ -567,7 +532,6 @@ def _grouped(op: tf.Operation) -> bool:
 FAMILY.ops(["Conv2D", "Conv3D"], axis=_spatial, block_safe=True, pfor_wrong=_grouped)
 FAMILY.ops(["DepthwiseConv2dNative", *_TRANSPOSED], axis=_spatial, block_safe=True)
 FAMILY.ops(_POOLS_AND_RESIZES, axis=_spatial)
-FAMILY.factor("depthwise", match_depthwise, depthwise_factor, priority=100)
 FAMILY.factor("conv3d", match_conv3d, conv3d_factor, priority=110)
 FAMILY.factor("conv_transpose", match_transposed, transposed_factor, priority=120)
 FAMILY.factor("blocked_conv2d", match_blocked_conv2d, blocked_conv2d_factor, priority=130)

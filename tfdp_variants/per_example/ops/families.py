@@ -7,6 +7,7 @@ from tfdp_variants.per_example.ops import broadcast
 from tfdp_variants.per_example.ops import control
 from tfdp_variants.per_example.ops import conv
 from tfdp_variants.per_example.ops import conv2d
+from tfdp_variants.per_example.ops import depthwise
 from tfdp_variants.per_example.ops import derived
 from tfdp_variants.per_example.ops import elementwise
 from tfdp_variants.per_example.ops import gather
@@ -21,7 +22,7 @@ from tfdp_variants.per_example.ops import registry
 from tfdp_variants.per_example.ops import spectral
 from tfdp_variants.per_example.ops import tables
 
-FAMILIES = (broadcast, control, conv, conv2d, derived, elementwise, gather, image, layout, loops,
-            low_rank, matmul, normalization, reductions, spectral, tables)
+FAMILIES = (broadcast, control, conv, conv2d, depthwise, derived, elementwise, gather, image, layout,
+            loops, low_rank, matmul, normalization, reductions, spectral, tables)
 
 DEFAULT = registry.Registry(family.FAMILY for family in FAMILIES)
