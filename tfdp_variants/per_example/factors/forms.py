@@ -272,6 +272,11 @@ class Dense:
   g: tf.Tensor
   rule: str = "fallback"
 
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """One row's shape (a `Permuted` read of a materialized rule, e.g. "depthwise", needs it)."""
+    return tuple(self.g.shape[1:].as_list())
+
   def squared_norms(self, exact: bool = True) -> tf.Tensor:
     return _sum_sq(self.g, exact)
 
