@@ -25,10 +25,13 @@ reproduce is refused by the engine with the fix.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import tensorflow as tf
+# No public API sets the graph options of one thread's function calls.
+from tensorflow.python.eager import context
 
 from tfdp_variants import cache
 from tfdp_variants import per_example
@@ -110,7 +113,8 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
   state = _state(model, optimizer)
   saved = [v.numpy() for v in state]
   try:
-    check(xs, ys, ws)
+    with _unoptimized():
+      check(xs, ys, ws)
   except tf.errors.InvalidArgumentError as e:
     if any(text in e.message for text in _OURS) or model.run_eagerly:
       raise
@@ -124,6 +128,24 @@ def run(model: tf.keras.Model, optimizer, x: Any, y: Any = None, sample_weight: 
       v.assign(value)
   cache.PREFLIGHT_PASSED.setdefault(model, {})[key] = rules[-1]
   return rules[-1]
+
+
+@contextlib.contextmanager
+def _unoptimized() -> Iterator[None]:
+  """Function calls of this thread run their graphs without Grappler while inside. The check's
+  graph runs once: optimizing it took longer than running it as traced (BERT, 2 layers: 2.9 of
+  the 5.2 s of its call; BUILD_NOTES "First step"). Grappler rewrites how values are computed,
+  not what: the check compares the same gradients."""
+  ctx = context.context()
+  saved = ctx.function_call_options
+  config = tf.compat.v1.ConfigProto()
+  config.ParseFromString(saved.config_proto_serialized)
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  ctx.function_call_options = context.FunctionCallOptions(saved.executor_type, config)
+  try:
+    yield
+  finally:
+    ctx.function_call_options = saved
 
 
 def _build(model: tf.keras.Model, batch: tuple) -> bool:
