@@ -34,7 +34,10 @@ tensorflow_privacy is installed (the TF 2.15 leg). The target column shows issue
 every model (DPAdam ≤ 1.5×, XLA included; NoisyGradientAdam AC and TanhFilterAdam ≤ 3×) and, on the
 paper CNN alone, those of issues 2, 3 and 7 for the other algorithms.
 
-`--baseline=DIR` times every row but the non-private one a second time with the package imported
+The `floor` row is the non-private step plus the package's dense Gaussian noise on every
+parameter's gradient: the time no DP-SGD step can go below without cheaper noise.
+
+`--baseline=DIR` times every row but the non-private ones and the floor a second time with the package imported
 from DIR (a copy of an older `tfdp_variants`, e.g. `git archive HEAD tfdp_variants | tar -x -C DIR`),
 right after the same row of this tree: a before/after comparison on the same load.
 
@@ -61,6 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdp_variants
+from tfdp_variants.mechanism import noise
 
 L = tf.keras.layers
 _NA_TF_PRIVACY = "n/a (needs TF Privacy: TF 2.15 leg)"
@@ -256,6 +260,22 @@ def _nonprivate(layers: list, b: int, jit_compile: bool = False) -> tf.keras.Mod
                    "sum_over_batch_size", jit_compile)
 
 
+
+def _floor(layers: list, b: int) -> tf.keras.Model:
+  """The non-private step plus the package's dense noise: N(0, (σC/B)²) drawn (as DPAdam draws
+  it, `NoiseSource.noised`) and added to every parameter's gradient, the floor of a DP step
+  whose per-example work were free (issue 49, item 5)."""
+  source = noise.NoiseSource()
+  stddev = _dp(b)["noise_multiplier"] * _dp(b)["l2_norm_clip"] / b
+
+  class NoisyAdam(tf.keras.optimizers.Adam):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+      grads, variables = zip(*grads_and_vars)
+      noised = source.noised(grads, [stddev] * len(grads))
+      return super().apply_gradients(zip(noised, variables), *args, **kwargs)
+
+  return _compiled(tf.keras.Sequential(layers), NoisyAdam(1e-3), "sum_over_batch_size")
+
 # TF Privacy is imported in its rows only: it is installed on the TF 2.15 leg alone.
 # pylint: disable=g-import-not-at-top
 def _tfp_optimizer(b: int):
@@ -330,6 +350,7 @@ def rows() -> list[Row]:
   make = tfdp_variants.make_dp_optimizer_class
   return [
       Row("nonprivate", "non-private Adam", _nonprivate),
+      Row("floor", "non-private Adam + dense noise over every parameter (the floor)", _floor),
       Row("dpadam", "DPAdam (DP-SGD)", _with(lambda b: tfdp_variants.DPAdam(**_dp(b))), 1.5,
           every_model=True),
       Row("dpadam_nocheck", "DPAdam, self_check=False",
@@ -499,8 +520,8 @@ def run_all() -> None:
   # (result key, row, package directory): a baseline run right after the same row of this tree.
   runs = [(r.key, r, None) for r in todo]
   if _BASELINE.value:
-    baseline = lambda r: ([] if r.key.startswith("nonprivate") or r.tf_privacy
-                          else [(r.key + "@baseline", r, _BASELINE.value)])
+    baseline = lambda r: ([] if r.key.startswith("nonprivate") or r.key == "floor"
+                          or r.tf_privacy else [(r.key + "@baseline", r, _BASELINE.value)])
     runs = [run for r in todo for run in [(r.key, r, None)] + baseline(r)]
   out = []
   for model in _MODELS.value:
