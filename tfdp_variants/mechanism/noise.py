@@ -107,14 +107,16 @@ class NoiseSource:
   def noised(self, tensors: Sequence[tf.Tensor], stddevs: Sequence) -> list[tf.Tensor]:
     """t + N(0, s²) for each tensor t and its stddev s (a scalar): `normal`'s draws, keyed by
     one seed per tensor from the generator. On CPU, inside a traced step, tensors of static
-    shapes take the draws and the sums as one XLA call (`xla.compiled_on_cpu`): its Philox and
-    fused elementwise ops drew the 3.27M values of the paper CNN in 44 ms against TF's 90 ms
+    shapes take the draws as one XLA call (`xla.compiled_on_cpu`; on no data, so that it can run
+    during the backward pass): its Philox and fused elementwise ops drew the 3.27M values of the paper CNN in 44 ms against TF's 90 ms
     (2026-12-03), the floor of a DP step's time on dense models."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not all(t.shape.is_fully_defined() for t in tensors):
       return [t + self.normal(tf.shape(t), t.dtype, stddev=s) for t, s in zip(tensors, stddevs)]
     seeds = self.generator.make_seeds(len(tensors))
-    return _noised_on_cpu(tensors, seeds, [tf.cast(s, tf.float32) for s in stddevs])
+    draws = _draws_on_cpu(tuple(tuple(t.shape.as_list()) for t in tensors), seeds,
+                          [tf.cast(s, tf.float32) for s in stddevs])
+    return [t + tf.cast(d, t.dtype) for t, d in zip(tensors, draws)]
 
   def gamma(self, shape, alpha: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
     """Gamma(alpha, 1) draws of the given (full) shape, which `alpha` broadcasts to.
@@ -144,13 +146,12 @@ def _normal(shape, dtype: tf.DType, stddev, bits) -> tf.Tensor:
 
 
 @xla.compiled_on_cpu
-def _noised_on_cpu(tensors: list[tf.Tensor], seeds: tf.Tensor, stddevs: list[tf.Tensor]
-                   ) -> list[tf.Tensor]:
-  """t + N(0, s²) for each tensor, its draws keyed by column i of `seeds` (stateless Philox)."""
-  return [t + _normal(t.shape, t.dtype, s, functools.partial(
+def _draws_on_cpu(shapes: tuple, seeds: tf.Tensor, stddevs: list[tf.Tensor]) -> list[tf.Tensor]:
+  """float32 N(0, s²) draws of each static shape, keyed by column i of `seeds` (stateless Philox).
+  They depend on no data, so the step can run them while it computes the sums."""
+  return [_normal(shape, tf.float32, s, functools.partial(
       tf.random.stateless_uniform, seed=seeds[:, i], minval=None, maxval=None, dtype=tf.uint32,
-      alg="philox")) for i, (t, s) in enumerate(zip(tensors, stddevs))]
-
+      alg="philox")) for i, (shape, s) in enumerate(zip(shapes, stddevs))]
 
 def _box_muller(w0: tf.Tensor, w1: tf.Tensor, stddev=None) -> tf.Tensor:
   """2n float32 N(0, stddev²) draws, r·cos θ then r·sin θ (joined along the first axis), from
