@@ -23,8 +23,11 @@ intermediate 128, sequence 16, batch 4, 2 timed steps after 1.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
+import subprocess
+import tempfile
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -178,4 +181,34 @@ def interleaved(name: str, rows: list[str], child: Callable, args: Callable[[str
       else:
         results[row].update(last)
     process.join()
+  return results
+
+
+def interleaved_commands(commands: dict[str, tuple[list, dict]], steps: int,
+                         failed: Callable[[str, int, str], dict]) -> dict[str, dict]:
+  """`interleaved` for command lines: each (command, environment) started and warmed up in
+  turn (it prints a JSON line), then `steps` rounds of one step each (a line to its stdin, one
+  line back); at its stdin's end it prints its result as a JSON line. `failed(key, exit code,
+  stderr)` is a failed command's result."""
+  children, results = {}, {}
+  for key, (command, env) in commands.items():
+    errors = tempfile.TemporaryFile("w+")  # Read at the end: a pipe could fill and block.
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=errors, text=True, env=env)
+    if next((l for l in child.stdout if l.startswith("{")), None) is None:
+      errors.seek(0)
+      results[key] = failed(key, child.wait(), errors.read())
+    else:
+      children[key] = (child, errors)
+  for _ in range(steps):
+    for child, _ in children.values():
+      child.stdin.write("step\n")
+      child.stdin.flush()
+      child.stdout.readline()
+  for key, (child, errors) in children.items():
+    child.stdin.close()
+    lines = [l for l in child.stdout if l.startswith("{")]
+    code = child.wait()
+    errors.seek(0)
+    results[key] = json.loads(lines[-1]) if lines and not code else failed(key, code, errors.read())
   return results

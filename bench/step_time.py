@@ -34,12 +34,18 @@ tensorflow_privacy is installed (the TF 2.15 leg). The target column shows issue
 every model (DPAdam ≤ 1.5×, XLA included; NoisyGradientAdam AC and TanhFilterAdam ≤ 3×) and, on the
 paper CNN alone, those of issues 2, 3 and 7 for the other algorithms.
 
-`--baseline=DIR` times every row but the non-private one a second time with the package imported
+The `floor` row is the non-private step plus the package's dense Gaussian noise on every
+parameter's gradient: the time no DP-SGD step can go below without cheaper noise.
+
+`--baseline=DIR` times every row but the non-private ones and the floor a second time with the package imported
 from DIR (a copy of an older `tfdp_variants`, e.g. `git archive HEAD tfdp_variants | tar -x -C DIR`),
 right after the same row of this tree: a before/after comparison on the same load.
+`--interleaved` starts all of a model's runs (rows and baselines) each in its own process and
+times them in turns, one step of each a round: the shared machine's load reaches them alike.
 
   python bench/step_time.py [--models=cnn,mlp,text] [--batch_size=cnn=64,mlp=512 | --batch_size=64]
       [--steps=10] [--tf_privacy_steps=2] [--skip_tf_privacy] [--only=dpadam,...] [--baseline=DIR]
+      [--interleaved]
 """
 
 from __future__ import annotations
@@ -60,7 +66,9 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
+from hub_models import interleaved_commands  # bench/hub_models.py.
 import tfdp_variants
+from tfdp_variants.mechanism import noise
 
 L = tf.keras.layers
 _NA_TF_PRIVACY = "n/a (needs TF Privacy: TF 2.15 leg)"
@@ -227,6 +235,9 @@ _ONLY = flags.DEFINE_list("only", [], "Run only these row keys (and the non-priv
 _BASELINE = flags.DEFINE_string("baseline", None,
                                 "A directory holding an older tfdp_variants package: each row but "
                                 "the non-private one is also timed with it, labelled (baseline).")
+_INTERLEAVED = flags.DEFINE_bool("interleaved", False,
+                                  "Start every row of a model in its own process, then time them "
+                                  "in turns, one step of each row a round: ratios under one load.")
 _ROW = flags.DEFINE_string("row", None, "Time this one row in this process; print one JSON line.")
 _MODEL = flags.DEFINE_string("model", None, "With --row: the model.")
 
@@ -255,6 +266,22 @@ def _nonprivate(layers: list, b: int, jit_compile: bool = False) -> tf.keras.Mod
   return _compiled(tf.keras.Sequential(layers), tf.keras.optimizers.Adam(1e-3),
                    "sum_over_batch_size", jit_compile)
 
+
+
+def _floor(layers: list, b: int) -> tf.keras.Model:
+  """The non-private step plus the package's dense noise: N(0, (σC/B)²) drawn (as DPAdam draws
+  it, `NoiseSource.noised`) and added to every parameter's gradient, the floor of a DP step
+  whose per-example work were free (issue 49, item 5)."""
+  source = noise.NoiseSource()
+  stddev = _dp(b)["noise_multiplier"] * _dp(b)["l2_norm_clip"] / b
+
+  class NoisyAdam(tf.keras.optimizers.Adam):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+      grads, variables = zip(*grads_and_vars)
+      noised = source.noised(grads, [stddev] * len(grads))
+      return super().apply_gradients(zip(noised, variables), *args, **kwargs)
+
+  return _compiled(tf.keras.Sequential(layers), NoisyAdam(1e-3), "sum_over_batch_size")
 
 # TF Privacy is imported in its rows only: it is installed on the TF 2.15 leg alone.
 # pylint: disable=g-import-not-at-top
@@ -330,6 +357,7 @@ def rows() -> list[Row]:
   make = tfdp_variants.make_dp_optimizer_class
   return [
       Row("nonprivate", "non-private Adam", _nonprivate),
+      Row("floor", "non-private Adam + dense noise over every parameter (the floor)", _floor),
       Row("dpadam", "DPAdam (DP-SGD)", _with(lambda b: tfdp_variants.DPAdam(**_dp(b))), 1.5,
           every_model=True),
       Row("dpadam_nocheck", "DPAdam, self_check=False",
@@ -396,9 +424,11 @@ def _path_note(model: tf.keras.Model) -> str:
   return "fast clipping" if fast else "a layer is not in the registry: vectorized_map path"
 
 
-def time_row(row: Row, workload: Workload, b: int, steps: int, warmup: int) -> dict:
+def time_row(row: Row, workload: Workload, b: int, steps: int, warmup: int,
+             keep: bool = False) -> dict:
   """The row's times on one model: first step (tracing and self-check included), median ms per
-  `train_on_batch` step after `warmup` steps, peak resident memory of this process."""
+  `train_on_batch` step after `warmup` steps, peak resident memory of this process; with `keep`,
+  also its (model, x, y) as "model"."""
   tf.keras.utils.set_random_seed(0)
   x, y = workload.data(np.random.default_rng(0), b)
   model = row.build(workload.layers(), b)
@@ -412,37 +442,73 @@ def time_row(row: Row, workload: Workload, b: int, steps: int, warmup: int) -> d
     start = time.perf_counter()
     model.train_on_batch(x, y)
     times.append(time.perf_counter() - start)
-  return dict(ms=1e3 * float(np.median(times)), first_ms=1e3 * first, params=model.count_params(),
-              peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              note=_path_note(model), package=os.path.dirname(tfdp_variants.__file__))
+  result = dict(ms=1e3 * float(np.median(times)) if times else None, first_ms=1e3 * first,
+                params=model.count_params(),
+                peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                note=_path_note(model), package=os.path.dirname(tfdp_variants.__file__))
+  return {**result, "model": (model, x, y)} if keep else result
 
 
 def run_one_row() -> None:
-  """Child: time --row on --model and print its result as one JSON line."""
+  """Child: time --row on --model and print its result as one JSON line; with --interleaved,
+  print its first step's, then time one step per line read from stdin, and at its end print the
+  median and peak RSS."""
   row = _row(_ROW.value)
   steps, warmup = (_TFP_STEPS.value, 1) if row.slow else (_STEPS.value, 3)
   b = batch_sizes(_BATCH.value)[_MODEL.value]
-  print(json.dumps(time_row(row, WORKLOADS[_MODEL.value], b, steps, warmup)), flush=True)
+  if not _INTERLEAVED.value:
+    print(json.dumps(time_row(row, WORKLOADS[_MODEL.value], b, steps, warmup)), flush=True)
+    return
+  first = time_row(row, WORKLOADS[_MODEL.value], b, 0, warmup, keep=True)
+  model, x, y = first.pop("model")
+  print(json.dumps(first), flush=True)
+  times = []
+  for _ in sys.stdin:
+    start = time.perf_counter()
+    model.train_on_batch(x, y)
+    times.append(time.perf_counter() - start)
+    print(times[-1], flush=True)
+  print(json.dumps({**first, "ms": 1e3 * float(np.median(times)),
+                    "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}),
+        flush=True)
+
+
+def _command(row: Row, model: str, b: int, package_dir: Optional[str]) -> tuple[list, dict]:
+  """The child process' command line and environment (tfdp_variants from `package_dir`)."""
+  command = [sys.executable, os.path.abspath(__file__), f"--row={row.key}", f"--model={model}",
+             f"--batch_size={b}", f"--steps={_STEPS.value}",
+             f"--tf_privacy_steps={_TFP_STEPS.value}", f"--interleaved={_INTERLEAVED.value}"]
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+  if package_dir:
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(package_dir),
+                                                     env.get("PYTHONPATH")]))
+  return command, env
+
+
+def _failed(model: str, key: str, code, stderr: str) -> dict:
+  print(f"--- {model} / {key} failed; its stderr ends:\n{stderr[-3000:]}", file=sys.stderr)
+  last = (stderr.strip().splitlines() or [""])[-1]
+  return {"error": f"failed (exit {code}): " + last[:120].replace("|", "/")}
 
 
 def launch(row: Row, model: str, b: int, package_dir: Optional[str] = None) -> dict:
   """Parent: time `row` on `model` in a fresh process, importing tfdp_variants from
   `package_dir` if given; its JSON result, or {"error": ...}."""
-  command = [sys.executable, os.path.abspath(__file__), f"--row={row.key}", f"--model={model}",
-             f"--batch_size={b}", f"--steps={_STEPS.value}",
-             f"--tf_privacy_steps={_TFP_STEPS.value}"]
-  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-  if package_dir:
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(package_dir),
-                                                     env.get("PYTHONPATH")]))
+  command, env = _command(row, model, b, package_dir)
   done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
   lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
   if done.returncode or not lines:
-    print(f"--- {model} / {row.key} failed; its stderr ends:\n{done.stderr[-3000:]}",
-          file=sys.stderr)
-    last = (done.stderr.strip().splitlines() or [""])[-1]
-    return {"error": f"failed (exit {done.returncode}): " + last[:120].replace("|", "/")}
+    return _failed(model, row.key, done.returncode, done.stderr)
   return json.loads(lines[-1])
+
+
+def launch_interleaved(model: str, b: int, runs: list[tuple[str, Row, Optional[str]]]
+                       ) -> dict[str, dict]:
+  """Parent: every run's process started and warmed up in turn, then `--steps` rounds of one
+  step each (`hub_models.interleaved_commands`); each run's JSON result, or {"error": ...}."""
+  commands = {key: _command(row, model, b, package_dir) for key, row, package_dir in runs}
+  return interleaved_commands(commands, _STEPS.value,
+                              lambda key, code, stderr: _failed(model, key, code, stderr))
 
 
 def stack() -> str:
@@ -499,15 +565,19 @@ def run_all() -> None:
   # (result key, row, package directory): a baseline run right after the same row of this tree.
   runs = [(r.key, r, None) for r in todo]
   if _BASELINE.value:
-    baseline = lambda r: ([] if r.key.startswith("nonprivate") or r.tf_privacy
-                          else [(r.key + "@baseline", r, _BASELINE.value)])
+    baseline = lambda r: ([] if r.key.startswith("nonprivate") or r.key == "floor"
+                          or r.tf_privacy else [(r.key + "@baseline", r, _BASELINE.value)])
     runs = [run for r in todo for run in [(r.key, r, None)] + baseline(r)]
   out = []
   for model in _MODELS.value:
-    results = {}
-    for key, row, package_dir in runs:
-      results[key] = ({"na": _NA_TF_PRIVACY} if row.tf_privacy and not has_tfp
-                      else launch(row, model, sizes[model], package_dir))
+    results = {key: {"na": _NA_TF_PRIVACY} for key, row, _ in runs
+               if row.tf_privacy and not has_tfp}
+    runnable = [run for run in runs if run[0] not in results]
+    if _INTERLEAVED.value:
+      results.update(launch_interleaved(model, sizes[model], runnable))
+    for key, row, package_dir in runnable:
+      if key not in results:
+        results[key] = launch(row, model, sizes[model], package_dir)
       shown = f"{results[key]['ms']:.1f} ms/step" if "ms" in results[key] else ""
       print(f"  {model} / {key}: {shown or next(iter(results[key].values()))} "
             f"{results[key].get('package', '')}", flush=True)

@@ -48,12 +48,15 @@ def per_stack(keras3, keras2):
 @pytest.fixture
 def fixed_noise(monkeypatch):
   """`fixed_noise(draw)`: every `NoiseSource.normal(shape, dtype, stddev)` returns
-  `draw(shape, dtype)` (standard draws) times its stddev, for the rest of the test."""
+  `draw(shape, dtype)` (standard draws) times its stddev, and `noised` adds those, for the rest
+  of the test."""
   def install(draw):
     def normal(_, shape, dtype=tf.float32, stddev=None):
       x = draw(shape, dtype)
       return x if stddev is None else x * tf.cast(stddev, x.dtype)
     monkeypatch.setattr(noise.NoiseSource, "normal", normal)
+    monkeypatch.setattr(noise.NoiseSource, "noised", lambda source, tensors, stddevs: [
+        t + normal(source, tf.shape(t), t.dtype, s) for t, s in zip(tensors, stddevs)])
   return install
 
 
