@@ -12,7 +12,6 @@ from tfdp_variants.per_example.factors.base import OddFunction, Patches, _ghost,
 from tfdp_variants.per_example.factors.base import _matmul_rows
 from tfdp_variants.per_example.factors.base import _nan_to_inf, _rows, _rows_scaled, _series_norms
 from tfdp_variants.per_example.factors.base import _series_sum, _sum_sq, _weighted_rows, _weights
-from tfdp_variants.xla import in_xla
 
 # Materialize an `Outer` factor for norms only while one example's gradient is this small and
 # materializing costs fewer flops than the Gram ("ghost") form.
@@ -77,7 +76,7 @@ class Outer:
       # One input channel: one (K, T)·(T, O) product of the stacked blocks (a gather of single
       # elements is slower: 14.0 against 5.2 ms for the paper CNN's first conv at batch 128).
       return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
-    if self.patches is not None and not in_xla():  # XLA ran the slices' products 1.3× faster.
+    if self.patches is not None:
       def at_once():
         with tf.control_dependencies([d]):  # Gathered when its product can run, not held before.
           return tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
