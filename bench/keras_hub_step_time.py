@@ -109,19 +109,22 @@ def table(name: str, size: Size, b: int, results: dict[str, dict]) -> list[str]:
   """The markdown table of one model's rows."""
   base = results.get("nonprivate", {})
   params = next((f"{r['params']:,}" for r in results.values() if "params" in r), "?")
+  xla_header, xla_cell = step_time.xla_column({k: r["ms"] for k, r in results.items() if "ms" in r})
   lines = [f"### {name}: {HUB_MODELS[name].description} ({params} parameters), batch {b}", "",
-           "| optimizer | ms/step | × non-private | target | peak RSS, GiB | × non-private "
-           "| first step, ms | rules (variables) |", "|---|---:|---:|---|---:|---:|---:|---|"]
+           f"| optimizer | ms/step | × non-private |{xla_header} target | peak RSS, GiB "
+           "| × non-private | first step, ms | rules (variables) |",
+           "|---|---:|---:|" + "---:|" * bool(xla_header) + "---|---:|---:|---:|---|"]
   for key, result in results.items():
     label = step_time._row(key).label  # pylint: disable=protected-access
     if "ms" not in result:
-      lines.append(f"| {label} | {result['error']} | | | | | | |")
+      lines.append(f"| {label} | {result['error']} | | | | | | |" + " |" * bool(xla_header))
       continue
     ratio = result["ms"] / base["ms"] if "ms" in base else math.nan
     memory = result["peak_gib"] / base["peak_gib"] if "ms" in base else math.nan
     memory_target = (f" (≤ {MEMORY_TARGET}× {'met' if memory <= MEMORY_TARGET else 'MISSED'})"
                      if key == "dpadam" else "")
-    lines.append(f"| {label} | {result['ms']:.0f} | {ratio:.2f} | {_target(key, ratio)} | "
+    lines.append(f"| {label} | {result['ms']:.0f} | {ratio:.2f} |{xla_cell(key, result['ms'])} "
+                 f"{_target(key, ratio)} | "
                  f"{result['peak_gib']:.2f} | {memory:.2f}{memory_target} | "
                  f"{result['first_ms']:.0f} | {result['note']} |")
   if HUB_MODELS[name].reference:

@@ -523,6 +523,15 @@ def _ratio(ms: float, base: Optional[float]) -> str:
   return f"{ms / base:.2f}" if base else ""
 
 
+def xla_column(ms: dict[str, float]) -> tuple[str, Callable[[str, float], str]]:
+  """The header of a "× non-private XLA" column when the non-private XLA row ran (else ""), and
+  a row's cell: its ratio to that step for an XLA row (`jit_compile=True`), else blank."""
+  if "nonprivate_xla" not in ms:
+    return "", lambda key, row_ms: ""
+  return (" × non-private XLA |",
+          lambda key, row_ms: f" {_ratio(row_ms, ms['nonprivate_xla']) if '_xla' in key else ''} |")
+
+
 def table(model: str, b: int, todo: list[tuple[str, Row]],
           results: dict[str, dict]) -> list[str]:
   """The markdown table of one model's rows; `todo` holds (result key, row) pairs."""
@@ -530,21 +539,24 @@ def table(model: str, b: int, todo: list[tuple[str, Row]],
   tfp = {k: ms[k] for k, row in todo if k in ms and row.tf_privacy}
   best = min(tfp, key=tfp.get) if tfp else None
   params = next((f"{r['params']:,}" for r in results.values() if "params" in r), "?")
+  xla_header, xla_cell = xla_column(ms)
   lines = [f"### {model}: {WORKLOADS[model].description} ({params} parameters), "
            f"batch {b}" + (f"; TF Privacy best: {_row(best).label}" if best else ""), "",
-           "| optimizer | ms/step | × non-private | × TF Privacy best | target | first step, ms "
-           "| peak RSS, GiB | note |", "|---|---:|---:|---:|---|---:|---:|---|"]
+           f"| optimizer | ms/step | × non-private |{xla_header} × TF Privacy best | target "
+           "| first step, ms | peak RSS, GiB | note |",
+           "|---|---:|---:|" + "---:|" * bool(xla_header) + "---:|---|---:|---:|---|"]
   for key, row in todo:
     result = results[key]
     label = row.label + (" (baseline)" if key != row.key else "")
     if "ms" not in result:
-      lines.append(f"| {label} | {result.get('na') or result.get('error')} | | | | | | |")
+      lines.append(f"| {label} | {result.get('na') or result.get('error')} | | | | | | |"
+                   + " |" * bool(xla_header))
       continue
     ratio = _ratio(result["ms"], ms.get("nonprivate"))
     target = ""
     if row.target is not None and (row.every_model or WORKLOADS[model].targets) and ratio:
       target = f"≤ {row.target}× {'met' if float(ratio) <= row.target else 'MISSED'}"
-    lines.append(f"| {label} | {result['ms']:.1f} | {ratio} | "
+    lines.append(f"| {label} | {result['ms']:.1f} | {ratio} |{xla_cell(row.key, result['ms'])} "
                  f"{_ratio(result['ms'], ms.get(best))} | {target} | {result['first_ms']:.0f} | "
                  f"{result['peak_gib']:.2f} | {result['note']} |")
   return lines

@@ -272,6 +272,13 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
     # Dense on (B, T, K): Keras 3 reshapes the input to a static (None, None).
     "dense_sequence": (lambda: _seq((5, 4), L.Dense(7, activation="tanh"), L.Dense(3)),
                        _floats(B, 5, 4), DENSE * 2),
+    "mlp": (lambda: _seq((6,), L.Dense(5, activation="relu"), L.Dense(3)), _floats(B, 6),
+            DENSE * 2),
+    # The paper CNN of Lin et al. 2020 (bench/step_time.py's `cnn`) at toy size.
+    "paper_cnn": (lambda: _seq((8, 8, 1), L.Conv2D(2, 3, padding="same", activation="relu"),
+                               L.MaxPool2D(), L.Conv2D(3, 3, padding="same", activation="relu"),
+                               L.MaxPool2D(), L.Flatten(), L.Dense(4, activation="relu"),
+                               L.Dense(2)), _floats(B, 8, 8, 1), DENSE * 4),
     "transformer_block": (_transformer_block, _floats(B, 3, 4),
                           DENSE * 4 + NORM + DENSE * 2 + NORM + DENSE),
     "conv1d": (lambda: _seq((8, 3), L.Conv1D(4, 3, padding="same"), L.Flatten(), L.Dense(2)),
@@ -480,6 +487,10 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "conv3d_channels_first_grouped", "conv2d_transpose_channels_first",
        "einsum_dense_transposed_kernel", "tied_transpose", "conv_mixer",
        *(["dense_lora"] if "dense_lora" in ZOO else [])]
+# One model of each of bench/step_time.py's six families (MLP, text, paper CNN, Transformer, LSTM,
+# GroupNorm convnet), also stepped under XLA (`jit_compile=True`); on the Keras 2 legs the text
+# model alone (test_xla.py runs there too).
+XLA = ["mlp", "embedding_pooling", "paper_cnn", "transformer_block", "lstm", "group_norm"]
 
 
 def _build(name):
@@ -526,10 +537,13 @@ _FIT_KERAS2 = {"conv2d_dense", "embedding_pooling", "transformer_block", "subcla
                "lstm", "tied_transpose"}
 
 
-@pytest.mark.parametrize("name", [n if n in _FIT_KERAS2 else
-                                  pytest.param(n, marks=pytest.mark.default_leg) for n in FIT])
-def test_fit_step_is_mean_of_clipped_single_example_gradients(name):
-  """One DPSGD step without noise: w - lr · mean_i clip(g_i), the clip binding."""
+@pytest.mark.parametrize("name,jit_compile", [
+    (n, False) if n in _FIT_KERAS2 else pytest.param(n, False, marks=pytest.mark.default_leg)
+    for n in FIT] + [(n, True) if n == "embedding_pooling" else
+                     pytest.param(n, True, marks=pytest.mark.default_leg) for n in XLA])
+def test_fit_step_is_mean_of_clipped_single_example_gradients(name, jit_compile):
+  """One DPSGD step without noise: w - lr · mean_i clip(g_i), the clip binding; with
+  `jit_compile`, the step XLA compiles."""
   model, x, y, rules = _build(name)
   clip, lr = 0.05, 1.0
   ref = _single_example_gradients(model, x, y)
@@ -539,7 +553,8 @@ def test_fit_step_is_mean_of_clipped_single_example_gradients(name):
   want = [w - lr * np.mean(r * scale.reshape([B] + [1] * (r.ndim - 1)), axis=0)
           for w, r in zip([v.numpy() for v in model.trainable_variables], ref)]
   optimizer = tfdp_variants.DPSGD(clip, 0.0, learning_rate=lr)
-  model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"))
+  model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"),
+                jit_compile=jit_compile)
   model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
   for w, v in zip(want, model.trainable_variables):  # A frozen LoRA kernel is not trainable.
     np.testing.assert_allclose(v.numpy(), w, rtol=1e-4, atol=1e-6, err_msg=v.name)
