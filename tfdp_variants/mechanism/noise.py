@@ -46,7 +46,6 @@ import tensorflow as tf
 
 from tfdp_variants import replicas
 from tfdp_variants import xla
-from tfdp_variants.xla import in_xla
 
 
 class NoiseSource:
@@ -96,7 +95,7 @@ class NoiseSource:
     even, the pairs are laid out as the tensor's first half (the same draws as flat: the cosines
     fill the first half of the rows), so no reshape follows them: XLA ran (8000, 64) draws 2.7×
     faster so."""
-    if in_xla():
+    if xla.in_xla():
       seed = self.generator.make_seeds(1)[:, 0]
       bits = lambda pairs: tf.random.stateless_uniform(pairs, seed, minval=None, maxval=None,
                                                        dtype=tf.uint32, alg="philox")
@@ -170,7 +169,7 @@ def _box_muller(w0: tf.Tensor, w1: tf.Tensor, stddev=None) -> tf.Tensor:
   if stddev is not None:
     radius *= tf.cast(stddev, tf.float32)
   turns = tf.bitwise.right_shift(w1, tf.constant(8, tf.uint32))  # θ = 2π·turns/2²⁴
-  if in_xla():
+  if xla.in_xla():
     cos, sin = _cos_sin_of_turns(turns)
   else:
     angle = tf.cast(turns, tf.float32) * (2 * math.pi * 2.0**-24)
