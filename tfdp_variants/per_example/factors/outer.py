@@ -29,7 +29,11 @@ class Outer:
   the last axis: a conv's patches, one block per kernel offset): products are then formed block by
   block, and A itself is built only where a form needs it (a graph runs no op nobody reads).
   `patches`, when set, builds A and its blocks (a conv's) in the graph that reads them: the
-  materialized product comes from A in one product while A is small enough."""
+  materialized product comes from A in one product while A is small enough. `compute`, when set
+  (bfloat16: a conv of a mixed_bfloat16 model), is the dtype the materialized product is formed in
+  from factors that hold values of that dtype (accumulated in float32 by the matmul kernels), then
+  cast to float32: every form (norms, weighted sums, Gram, dots, slices) then reads that one
+  product, never the float32 factors, so each clip factor bounds exactly what is summed."""
 
   a: tf.Tensor
   d: tf.Tensor
@@ -38,6 +42,7 @@ class Outer:
   keep: Optional[tf.Tensor] = None
   blocks: Optional[tuple[tf.Tensor, ...]] = None
   patches: Optional[Patches] = None
+  compute: Optional[tf.DType] = None
 
   rule = "outer"
 
@@ -47,16 +52,26 @@ class Outer:
     return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks))
 
   @classmethod
-  def of_patches(cls, patches: Patches, d: tf.Tensor, shape: tuple[int, ...]) -> "Outer":
-    """The `Outer` of a conv's patches."""
+  def of_patches(cls, patches: Patches, d: tf.Tensor, shape: tuple[int, ...],
+                 compute: Optional[tf.DType] = None) -> "Outer":
+    """The `Outer` of a conv's patches; with `compute`, its product formed in that dtype where it
+    is materialized, made here (the graph of every later read)."""
     blocks = patches.blocks()
-    return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks), patches=patches)
+    outer = cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks), patches=patches,
+                compute=compute)
+    if outer._in_compute() is not None:
+      outer._materialized = outer._product()
+    return outer
 
   def _prefers_materialized(self) -> bool:
     t, k, o = self.a.shape[1], self.a.shape[2], self.d.shape[2]
     if t is None:
       return k * o <= _MAX_MATERIALIZED_ELEMENTS
     return t > 1 and t * k * o <= t * t * (k + o) and k * o <= _MAX_MATERIALIZED_ELEMENTS
+
+  def _in_compute(self) -> Optional[tf.DType]:
+    """`compute` where every form reads the materialized product (else None: float32 factors)."""
+    return self.compute if self.compute is not None and self._prefers_materialized() else None
 
   def _rows_a(self) -> tf.Tensor:
     return _rows(self.a, self.keep)
@@ -66,20 +81,30 @@ class Outer:
 
   def _product(self, start=0, stop=None) -> tuple[tf.Tensor, ...]:
     """Σ_t A[m,t]ᵀ D[m,t] for microbatches start..stop (rows not kept included), in blocks of K:
-    (stop - start, K_b, O) each, one per block of A that is formed by its own product."""
-    d = self.d[start:stop]
+    (stop - start, K_b, O) each, one per block of A that is formed by its own product; in the
+    `compute` dtype where it applies (`_in_compute`), cast to the factors' dtype."""
+    low = self._in_compute()
+    cast = (lambda t: t) if low is None else (lambda t: tf.cast(t, low))
+    d = cast(self.d[start:stop])
     if self.blocks is None:
-      return (tf.matmul(self.a[start:stop], d, transpose_a=True),)
-    by_blocks = lambda blocks: tuple(tf.matmul(b[start:stop], d, transpose_a=True)
-                                     for b in blocks)
-    if all(b.shape[-1] == 1 for b in self.blocks):
+      product = (tf.matmul(cast(self.a[start:stop]), d, transpose_a=True),)
+    elif all(b.shape[-1] == 1 for b in self.blocks):
       # One input channel: one (K, T)·(T, O) product of the stacked blocks (a gather of single
       # elements is slower: 14.0 against 5.2 ms for the paper CNN's first conv at batch 128).
-      return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
+      product = (tf.matmul(tf.stack([cast(b[start:stop, :, 0]) for b in self.blocks], 1), d),)
+    else:
+      product = self._blocks_product(start, stop, d, cast)
+    return product if low is None else tuple(tf.cast(p, self.d.dtype) for p in product)
+
+  def _blocks_product(self, start, stop, d: tf.Tensor, cast) -> tuple[tf.Tensor, ...]:
+    """`_product` of A's blocks (each block of K its own product, or the patches at once)."""
+    by_blocks = lambda blocks: tuple(tf.matmul(cast(b[start:stop]), d, transpose_a=True)
+                                     for b in blocks)
     if self.patches is not None:
       def at_once():
         with tf.control_dependencies([d]):  # Gathered when its product can run, not held before.
-          return tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
+          return tf.matmul(self.patches.gathered(start, stop, self._in_compute()), d,
+                           transpose_a=True)
       size = self.patches.elements()
       if isinstance(size, int):
         return (at_once(),) if size <= _MAX_GATHERED_ELEMENTS else by_blocks(self.blocks)
@@ -129,10 +154,11 @@ class Outer:
     if self.keep is not None:
       keep = tf.logical_and(keep, self.keep)
     # Materialized for the norms: the weighted sum reuses the product.
-    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks, self.patches)
+    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks, self.patches,
+                 self.compute)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    if self._cached() is not None:
+    if self._cached() is not None or self._in_compute() is not None:
       blocks = self._full_blocks()
       w = _weights(w, blocks[0])
       return tf.reshape(tf.concat([tf.tensordot(w, b, 1) for b in blocks], 0), self.shape)
@@ -151,7 +177,7 @@ class Outer:
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
     x = tf.reshape(x, [self.a.shape[2], self.d.shape[2]])
-    if self._cached() is not None:
+    if self._cached() is not None or self._in_compute() is not None:
       return tf.einsum("mko,ko->m", self._full(), x)
     return tf.einsum("mtk,ko,mto->m", self._rows_a(), x, self._rows_d())
 

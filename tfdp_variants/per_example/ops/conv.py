@@ -187,14 +187,15 @@ class Patches:
   m: tf.Tensor
   dtype: tf.DType
 
-  def gathered(self, start=0, stop=None) -> tf.Tensor:
-    x, m = self.x, self.m
+  def gathered(self, start=0, stop=None, dtype: Optional[tf.DType] = None) -> tf.Tensor:
+    dtype = dtype or self.dtype
+    x, m = tf.cast(self.x, dtype), self.m
     if not (isinstance(start, int) and start == 0 and stop is None):  # Microbatches start..stop.
       per = tf.shape(x)[0] // m
       x, m = x[start * per:stop * per if stop is not None else None], (
           (stop if stop is not None else m) - start)
     width = math.prod(self.ksize) * x.shape[-1]
-    return _rows(patches(x, self.ksize, *self.windows), m, self.dtype, 1, width)
+    return _rows(patches(x, self.ksize, *self.windows), m, dtype, 1, width)
 
   def blocks(self) -> list[tf.Tensor]:
     return [_rows(s, self.m, self.dtype, 1, self.x.shape[-1])
