@@ -179,7 +179,8 @@ def windowed_outer(x: tf.Tensor, d: tf.Tensor, ksize: list[int], windows: tuple,
 @dataclasses.dataclass(frozen=True)
 class Patches:
   """The patches of channels-last `x` (examples on axis 0, static spatial sizes) under `windows`
-  (strides, dilations, padding), rows grouped by microbatch (`F.Patches`)."""
+  (strides, dilations, padding), rows grouped by microbatch (`F.Patches`), in `dtype` (`x` may
+  hold a lower precision: a bfloat16 conv's data, gathered in bfloat16 where asked)."""
 
   x: tf.Tensor
   ksize: list[int]
