@@ -45,7 +45,7 @@ times them in turns, one step of each a round: the shared machine's load reaches
 
   python bench/step_time.py [--models=cnn,mlp,text] [--batch_size=cnn=64,mlp=512 | --batch_size=64]
       [--steps=10] [--tf_privacy_steps=2] [--skip_tf_privacy] [--only=dpadam,...] [--baseline=DIR]
-      [--interleaved]
+      [--interleaved] [--policy=mixed_bfloat16]
 """
 
 from __future__ import annotations
@@ -240,6 +240,8 @@ _INTERLEAVED = flags.DEFINE_bool("interleaved", False,
                                   "in turns, one step of each row a round: ratios under one load.")
 _ROW = flags.DEFINE_string("row", None, "Time this one row in this process; print one JSON line.")
 _MODEL = flags.DEFINE_string("model", None, "With --row: the model.")
+_POLICY = flags.DEFINE_string("policy", "float32", "Keras precision policy of every row "
+                              "(mixed_bfloat16, mixed_float16), set before the models are built.")
 
 
 def _dp(b: int) -> dict:
@@ -454,6 +456,7 @@ def run_one_row() -> None:
   print its first step's, then time one step per line read from stdin, and at its end print the
   median and peak RSS."""
   row = _row(_ROW.value)
+  tf.keras.mixed_precision.set_global_policy(_POLICY.value)
   steps, warmup = (_TFP_STEPS.value, 1) if row.slow else (_STEPS.value, 3)
   b = batch_sizes(_BATCH.value)[_MODEL.value]
   if not _INTERLEAVED.value:
@@ -477,7 +480,8 @@ def _command(row: Row, model: str, b: int, package_dir: Optional[str]) -> tuple[
   """The child process' command line and environment (tfdp_variants from `package_dir`)."""
   command = [sys.executable, os.path.abspath(__file__), f"--row={row.key}", f"--model={model}",
              f"--batch_size={b}", f"--steps={_STEPS.value}",
-             f"--tf_privacy_steps={_TFP_STEPS.value}", f"--interleaved={_INTERLEAVED.value}"]
+             f"--tf_privacy_steps={_TFP_STEPS.value}", f"--interleaved={_INTERLEAVED.value}",
+             f"--policy={_POLICY.value}"]
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
   if package_dir:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(package_dir),

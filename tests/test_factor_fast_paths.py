@@ -72,6 +72,24 @@ def test_conv_product_of_unknown_batch_from_gathered_patches_or_blocks(
   np.testing.assert_allclose(norms.numpy(), (want.astype(np.float64) ** 2).sum((1, 2)), rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 1200, 10**9])
+def test_conv_product_in_turns_of_gathered_patches(chunk, monkeypatch):
+  """The patches of a static batch gathered and multiplied in turns of `_CHUNK_ELEMENTS` (one
+  microbatch of two examples, a few, or all at once): the same per-example gradients, all of
+  them and microbatches 1..3, as NumPy's Σ_p patch_pᵀ d_p."""
+  monkeypatch.setattr(F.outer, "_CHUNK_ELEMENTS", chunk)
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=(10, 6, 5, 3)).astype(np.float32)  # 5 microbatches of 2 examples.
+  want_patches = tf.image.extract_patches(x, [1, 3, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1],
+                                          "VALID").numpy().reshape(5, 2 * 16, 18)
+  d = rng.normal(size=(5, 2 * 16, 4)).astype(np.float32)
+  want = np.einsum("mtk,mto->mko", want_patches, d)
+  patches = conv_rules.Patches(tf.constant(x), [3, 2], ([1, 1], [1, 1], "VALID"), 5, tf.float32)
+  outer = F.Outer.of_patches(patches, tf.constant(d), (18, 4))
+  np.testing.assert_allclose(outer.materialize(0, None).numpy(), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(outer.materialize(1, 4).numpy(), want[1:4], rtol=1e-5, atol=1e-5)
+
+
 def _reference(a, d, keep, w):
   """NumPy: per-example g_m = Σ_t a_tᵀ d_t, rows not kept zero; their norms² and Σ_m w_m g_m."""
   g = np.where(keep[:, None, None], np.einsum("mtk,mto->mko", a, d), 0.0)

@@ -16,6 +16,8 @@ import tensorflow as tf
 import tfdp_variants
 from conftest import per_stack
 from tfdp_variants import stack
+from tfdp_variants.per_example import factors as F
+from tfdp_variants.per_example.ops import conv
 
 keras = stack.keras
 L = keras.layers
@@ -53,7 +55,9 @@ def _layers(kind: str) -> list:
   if kind == "dense":
     return [keras.Input((6,)), L.Dense(5, activation="tanh"), L.Dense(3)]
   if kind == "conv":
-    return [keras.Input((6, 6, 1)), L.Conv2D(4, 3, activation="relu"), L.Flatten(), L.Dense(3)]
+    # One input channel, then four: the per-example products' two forms (`F.Outer._product`).
+    return [keras.Input((6, 6, 1)), L.Conv2D(4, 3, activation="relu"),
+            L.Conv2D(3, 3, padding="same"), L.Flatten(), L.Dense(3)]
   return [keras.Input((4, 8)), _Attention(), L.Dense(3)]
 
 
@@ -204,3 +208,22 @@ def test_loss_scale_round_trips(mixed_float16, tmp_path):
 def test_a_bad_loss_scale_is_refused(value):
   with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
     tfdp_variants.DPSGD(CLIP, 1.0, loss_scale=value)
+
+
+def test_a_bfloat16_conv_clips_the_product_it_sums():
+  """A bfloat16 conv's per-example product is formed in bfloat16 (`F.Outer.compute`), and the
+  norms and the weighted sum both read it: each example's clipped contribution has norm C to
+  float32's rounding, not bfloat16's (by which the float32 factors' product differs)."""
+  rng = np.random.default_rng(0)
+  x = tf.cast(rng.normal(size=(4, 6, 6, 3)), tf.bfloat16)  # A 3×3 VALID conv: 16 positions.
+  d = tf.cast(tf.cast(rng.normal(size=(4, 16, 5)), tf.bfloat16), tf.float32)
+  patches = conv.Patches(x, [3, 3], ([1, 1], [1, 1], "VALID"), tf.constant(4), tf.float32)
+  outer = F.Outer.of_patches(patches, d, (3, 3, 3, 5), tf.bfloat16)
+  norms = np.sqrt(outer.squared_norms().numpy())
+  for i in range(4):
+    w = np.zeros(4, np.float32)
+    w[i] = CLIP / norms[i]
+    summed = outer.weighted_sum(tf.constant(w)).numpy().astype(np.float64)
+    assert abs(np.linalg.norm(summed) - CLIP) <= 1e-5 * CLIP
+  float32_norms = np.sqrt(F.Outer.of_patches(patches, d, (3, 3, 3, 5)).squared_norms().numpy())
+  assert np.max(np.abs(float32_norms - norms) / norms) > 1e-5

@@ -15,8 +15,8 @@ class Patches(Protocol):
   """A conv's patches A (M, T, K), rows grouped by microbatch, built in the graph that asks (a
   tensor a tf.cond's branch captures is computed whichever branch runs)."""
 
-  def gathered(self, start=0, stop=None) -> tf.Tensor:
-    """Rows start..stop of A, in one op."""
+  def gathered(self, start=0, stop=None, dtype: Optional[tf.DType] = None) -> tf.Tensor:
+    """Rows start..stop of A, in one op (in `dtype`, cast before the gather, if given)."""
 
   def blocks(self) -> list[tf.Tensor]:
     """A's columns in blocks, (M, T, K_b) each: one kernel offset's data per block."""

@@ -20,6 +20,9 @@ _MAX_MATERIALIZED_ELEMENTS = 1 << 20
 # one product, while they hold at most this many elements (256 MiB of float32); beyond it, block
 # by block (each block one kernel offset's slice).
 _MAX_GATHERED_ELEMENTS = 1 << 26
+# Gathered patches are multiplied in turns of this many elements (8 MiB of float32, within a
+# CPU's last-level cache).
+_CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclasses.dataclass
@@ -29,7 +32,11 @@ class Outer:
   the last axis: a conv's patches, one block per kernel offset): products are then formed block by
   block, and A itself is built only where a form needs it (a graph runs no op nobody reads).
   `patches`, when set, builds A and its blocks (a conv's) in the graph that reads them: the
-  materialized product comes from A in one product while A is small enough."""
+  materialized product comes from A in one product while A is small enough. `compute`, when set
+  (bfloat16: a conv of a mixed_bfloat16 model), is the dtype the materialized product is formed in
+  from factors that hold values of that dtype (accumulated in float32 by the matmul kernels), then
+  cast to float32: every form (norms, weighted sums, Gram, dots, slices) then reads that one
+  product, never the float32 factors, so each clip factor bounds exactly what is summed."""
 
   a: tf.Tensor
   d: tf.Tensor
@@ -38,6 +45,7 @@ class Outer:
   keep: Optional[tf.Tensor] = None
   blocks: Optional[tuple[tf.Tensor, ...]] = None
   patches: Optional[Patches] = None
+  compute: Optional[tf.DType] = None
 
   rule = "outer"
 
@@ -47,16 +55,26 @@ class Outer:
     return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks))
 
   @classmethod
-  def of_patches(cls, patches: Patches, d: tf.Tensor, shape: tuple[int, ...]) -> "Outer":
-    """The `Outer` of a conv's patches."""
+  def of_patches(cls, patches: Patches, d: tf.Tensor, shape: tuple[int, ...],
+                 compute: Optional[tf.DType] = None) -> "Outer":
+    """The `Outer` of a conv's patches; with `compute`, its product formed in that dtype where it
+    is materialized, made here (the graph of every later read)."""
     blocks = patches.blocks()
-    return cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks), patches=patches)
+    outer = cls(tf.concat(blocks, -1), d, shape, blocks=tuple(blocks), patches=patches,
+                compute=compute)
+    if outer._in_compute() is not None:
+      outer._materialized = outer._product()
+    return outer
 
   def _prefers_materialized(self) -> bool:
     t, k, o = self.a.shape[1], self.a.shape[2], self.d.shape[2]
     if t is None:
       return k * o <= _MAX_MATERIALIZED_ELEMENTS
     return t > 1 and t * k * o <= t * t * (k + o) and k * o <= _MAX_MATERIALIZED_ELEMENTS
+
+  def _in_compute(self) -> Optional[tf.DType]:
+    """`compute` where every form reads the materialized product (else None: float32 factors)."""
+    return self.compute if self.compute is not None and self._prefers_materialized() else None
 
   def _rows_a(self) -> tf.Tensor:
     return _rows(self.a, self.keep)
@@ -66,26 +84,53 @@ class Outer:
 
   def _product(self, start=0, stop=None) -> tuple[tf.Tensor, ...]:
     """Σ_t A[m,t]ᵀ D[m,t] for microbatches start..stop (rows not kept included), in blocks of K:
-    (stop - start, K_b, O) each, one per block of A that is formed by its own product."""
-    d = self.d[start:stop]
+    (stop - start, K_b, O) each, one per block of A that is formed by its own product; in the
+    `compute` dtype where it applies (`_in_compute`), cast to the factors' dtype."""
+    low = self._in_compute()
+    cast = (lambda t: t) if low is None else (lambda t: tf.cast(t, low))
+    d = cast(self.d[start:stop])
     if self.blocks is None:
-      return (tf.matmul(self.a[start:stop], d, transpose_a=True),)
-    by_blocks = lambda blocks: tuple(tf.matmul(b[start:stop], d, transpose_a=True)
-                                     for b in blocks)
-    if all(b.shape[-1] == 1 for b in self.blocks):
+      product = (tf.matmul(cast(self.a[start:stop]), d, transpose_a=True),)
+    elif all(b.shape[-1] == 1 for b in self.blocks):
       # One input channel: one (K, T)·(T, O) product of the stacked blocks (a gather of single
       # elements is slower: 14.0 against 5.2 ms for the paper CNN's first conv at batch 128).
-      return (tf.matmul(tf.stack([b[start:stop, :, 0] for b in self.blocks], 1), d),)
+      product = (tf.matmul(tf.stack([cast(b[start:stop, :, 0]) for b in self.blocks], 1), d),)
+    else:
+      product = self._blocks_product(start, stop, d, cast)
+    return product if low is None else tuple(tf.cast(p, self.d.dtype) for p in product)
+
+  def _blocks_product(self, start, stop, d: tf.Tensor, cast) -> tuple[tf.Tensor, ...]:
+    """`_product` of A's blocks (each block of K its own product, or the patches at once)."""
+    by_blocks = lambda blocks: tuple(tf.matmul(cast(b[start:stop]), d, transpose_a=True)
+                                     for b in blocks)
     if self.patches is not None:
-      def at_once():
-        with tf.control_dependencies([d]):  # Gathered when its product can run, not held before.
-          return tf.matmul(self.patches.gathered(start, stop), d, transpose_a=True)
+      def at_once(part: Optional[tuple[int, int]] = None, after=()):
+        lo, hi = part or (start, stop)
+        d_part = d if part is None else d[lo - start:hi - start]
+        with tf.control_dependencies([d_part, *after]):  # Gathered when its product can run.
+          return tf.matmul(self.patches.gathered(lo, hi, self._in_compute()), d_part,
+                           transpose_a=True)
       size = self.patches.elements()
       if isinstance(size, int):
-        return (at_once(),) if size <= _MAX_GATHERED_ELEMENTS else by_blocks(self.blocks)
+        return ((self._in_chunks(at_once, start, d.shape[0], size),)
+                if size <= _MAX_GATHERED_ELEMENTS else by_blocks(self.blocks))
       return (tf.cond(size <= _MAX_GATHERED_ELEMENTS, at_once,
                       lambda: tf.concat(by_blocks(self.patches.blocks()), 1)),)
     return by_blocks(self.blocks)
+
+  def _in_chunks(self, at_once, start: int, rows: Optional[int], size: int) -> tf.Tensor:
+    """`at_once` over rows start..start + rows in turns of at most `_CHUNK_ELEMENTS` gathered
+    elements (each turn's patches still in cache when its product reads them: 41 against 60 ms
+    for the paper CNN's second conv at batch 128, the fastest of 20), one op if `rows` is unknown;
+    the same products, concatenated."""
+    per_row = size // max(self.a.shape[0] or 1, 1)
+    step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
+    if rows is None or not isinstance(start, int) or rows <= step:
+      return at_once()
+    parts = []
+    for lo in range(start, start + rows, step):
+      parts.append(at_once((lo, min(lo + step, start + rows)), parts[-1:]))
+    return tf.concat(parts, 0)
 
   def _full_blocks(self) -> list[tf.Tensor]:
     """The materialized g_m in blocks of K, rows not kept zero: norms and weighted sums read the
@@ -129,10 +174,11 @@ class Outer:
     if self.keep is not None:
       keep = tf.logical_and(keep, self.keep)
     # Materialized for the norms: the weighted sum reuses the product.
-    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks, self.patches)
+    return Outer(self.a, self.d, self.shape, self._cached(), keep, self.blocks, self.patches,
+                 self.compute)
 
   def weighted_sum(self, w: tf.Tensor) -> tf.Tensor:
-    if self._cached() is not None:
+    if self._cached() is not None or self._in_compute() is not None:
       blocks = self._full_blocks()
       w = _weights(w, blocks[0])
       return tf.reshape(tf.concat([tf.tensordot(w, b, 1) for b in blocks], 0), self.shape)
@@ -151,7 +197,7 @@ class Outer:
 
   def dots(self, x: tf.Tensor) -> tf.Tensor:
     x = tf.reshape(x, [self.a.shape[2], self.d.shape[2]])
-    if self._cached() is not None:
+    if self._cached() is not None or self._in_compute() is not None:
       return tf.einsum("mko,ko->m", self._full(), x)
     return tf.einsum("mtk,ko,mto->m", self._rows_a(), x, self._rows_d())
 

@@ -179,7 +179,8 @@ def windowed_outer(x: tf.Tensor, d: tf.Tensor, ksize: list[int], windows: tuple,
 @dataclasses.dataclass(frozen=True)
 class Patches:
   """The patches of channels-last `x` (examples on axis 0, static spatial sizes) under `windows`
-  (strides, dilations, padding), rows grouped by microbatch (`F.Patches`)."""
+  (strides, dilations, padding), rows grouped by microbatch (`F.Patches`), in `dtype` (`x` may
+  hold a lower precision: a bfloat16 conv's data, gathered in bfloat16 where asked)."""
 
   x: tf.Tensor
   ksize: list[int]
@@ -187,14 +188,15 @@ class Patches:
   m: tf.Tensor
   dtype: tf.DType
 
-  def gathered(self, start=0, stop=None) -> tf.Tensor:
-    x, m = self.x, self.m
+  def gathered(self, start=0, stop=None, dtype: Optional[tf.DType] = None) -> tf.Tensor:
+    dtype = dtype or self.dtype
+    x, m = tf.cast(self.x, dtype), self.m
     if not (isinstance(start, int) and start == 0 and stop is None):  # Microbatches start..stop.
       per = tf.shape(x)[0] // m
       x, m = x[start * per:stop * per if stop is not None else None], (
           (stop if stop is not None else m) - start)
     width = math.prod(self.ksize) * x.shape[-1]
-    return _rows(patches(x, self.ksize, *self.windows), m, self.dtype, 1, width)
+    return _rows(patches(x, self.ksize, *self.windows), m, dtype, 1, width)
 
   def blocks(self) -> list[tf.Tensor]:
     return [_rows(s, self.m, self.dtype, 1, self.x.shape[-1])

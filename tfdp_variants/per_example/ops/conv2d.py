@@ -136,12 +136,14 @@ def _conv_factor(op: tf.Operation, grad: tf.Tensor, m: tf.Tensor, var: tf.Variab
   if spec.space is not None:  # The call's data, dilated and padded as its blocks were.
     x = spec.space.padded(x, 1 if spec.expand is None else 2)
     dilations = [1, *([1] if spec.expand is not None else []), *spec.space.block, 1]
-  x, grad = tf.cast(x, dtype), rows.rows(grad, m, cout, dtype)
+  # A bfloat16 conv's (mixed_bfloat16) per-example product is formed in bfloat16 (`F.Outer`).
+  compute = tf.bfloat16 if x.dtype == tf.bfloat16 and dtype == tf.float32 else None
+  data, (x, grad) = x, (tf.cast(x, dtype), rows.rows(grad, m, cout, dtype))
   if x.shape[1:3].is_fully_defined():  # The patches by kernel offset (`F.Outer.of_blocks`).
     windows = (strides[1:3], dilations[1:3], padding)
     if groups == 1:
-      return F.Outer.of_patches(conv_rules.Patches(x, [kh, kw], windows, m, dtype), grad,
-                                tuple(var.shape))
+      return F.Outer.of_patches(conv_rules.Patches(data, [kh, kw], windows, m, dtype), grad,
+                                tuple(var.shape), compute)
     blocks = [rows.rows(s, m, groups * cin, dtype)
               for s in conv_rules.shifted(x, [kh, kw], *windows)]
     outer = lambda g, d, shape: F.Outer.of_blocks(
