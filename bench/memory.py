@@ -10,8 +10,8 @@ Each (model, batch, row) runs in its own process, the non-private row first and 
 it (the two rows of a batch size meet the same load): it builds the model, records its resident
 memory, runs the first step (tracing, and the engine's self-check, timed alone, in wall-clock
 time and in the process's CPU time, which a shared machine's load disturbs less) and `--steps`
-more, then reports its peak resident memory (`ru_maxrss`: TF's CPU allocator keeps no peak statistic,
-`tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the memory before the
+more, then reports its peak resident memory (`ru_maxrss`: TF's CPU allocator keeps no peak
+statistic, `tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the memory before the
 first step (what the step and its graphs add to the built model, the runtime's ~1 GiB aside).
 
   python bench/memory.py [--mem_models=groupnorm_cnn,bert] [--batches=32,128,512] [--mem_steps=2]
@@ -97,8 +97,8 @@ def table(model: str, results: dict[int, dict[str, dict]]) -> list[str]:
   lines = [f"### {model}{size}", "",
            "| batch | peak RSS non-private, GiB | DPAdam, GiB | × | peak less the built model: "
            "non-private, GiB | DPAdam, GiB | × | first step non-private, s | DPAdam, s | × "
-           "| its CPU time non-private, s | DPAdam, s | × | step non-private, ms | DPAdam, ms | × "
-           "| load average |", "|" + "---:|" * 17]
+           "| its CPU time non-private, s | DPAdam, s | × | step non-private, ms | DPAdam, ms "
+           "| × | load average |", "|" + "---:|" * 17]
   for b, rows in results.items():
     n, d = rows["nonprivate"], rows["dpadam"]
     if "error" in n or "error" in d:
