@@ -11,8 +11,9 @@ it (the two rows of a batch size meet the same load): it builds the model, recor
 memory, runs the first step (tracing, and the engine's self-check, timed alone, in wall-clock
 time and in the process's CPU time, which a shared machine's load disturbs less) and `--steps`
 more, then reports its peak resident memory (`ru_maxrss`: TF's CPU allocator keeps no peak
-statistic, `tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the memory before the
-first step (what the step and its graphs add to the built model, the runtime's ~1 GiB aside).
+statistic, `tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the
+memory before the first step (what the step and its graphs add to the built model, the runtime's
+~1 GiB aside).
 
   python bench/memory.py [--mem_models=groupnorm_cnn,bert] [--batches=32,128,512] [--mem_steps=2]
       [--hub_size=issue40|small]
