@@ -8,10 +8,12 @@ step_time's non-private Adam and DPAdam (one example per microbatch).
 
 Each (model, batch, row) runs in its own process, the non-private row first and DPAdam right after
 it (the two rows of a batch size meet the same load): it builds the model, records its resident
-memory, runs the first step (tracing, and the engine's self-check, timed alone) and `--steps` more,
-then reports its peak resident memory (`ru_maxrss`: TF's CPU allocator keeps no peak statistic,
-`tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the memory before the
-first step (what the step and its graphs add to the built model, the runtime's ~1 GiB aside).
+memory, runs the first step (tracing, and the engine's self-check, timed alone, in wall-clock
+time and in the process's CPU time, which a shared machine's load disturbs less) and `--steps`
+more, then reports its peak resident memory (`ru_maxrss`: TF's CPU allocator keeps no peak
+statistic, `tf.config.experimental.get_memory_info("CPU:0")` reads 0) and that peak less the
+memory before the first step (what the step and its graphs add to the built model, the runtime's
+~1 GiB aside).
 
   python bench/memory.py [--mem_models=groupnorm_cnn,bert] [--batches=32,128,512] [--mem_steps=2]
       [--hub_size=issue40|small]
@@ -66,16 +68,17 @@ def run_child(model: str, row: str, b: int) -> dict:
   x, y = workload.data(np.random.default_rng(0), b)
   built = step_time._row(row).build(workload.layers(), b)  # pylint: disable=protected-access
   before = _rss_gib()
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   built.train_on_batch(x, y)
-  first = time.perf_counter() - start
+  first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
   times = []
   for _ in range(_STEPS_MEM.value):
     start = time.perf_counter()
     built.train_on_batch(x, y)
     times.append(time.perf_counter() - start)
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-  return dict(before_gib=before, peak_gib=peak, first_s=first, ms=1e3 * float(np.median(times)))
+  return dict(before_gib=before, peak_gib=peak, first_s=first, first_cpu_s=first_cpu,
+              load=os.getloadavg()[0], ms=1e3 * float(np.median(times)))
 
 
 def launch(model: str, row: str, b: int) -> dict:
@@ -95,18 +98,21 @@ def table(model: str, results: dict[int, dict[str, dict]]) -> list[str]:
   lines = [f"### {model}{size}", "",
            "| batch | peak RSS non-private, GiB | DPAdam, GiB | × | peak less the built model: "
            "non-private, GiB | DPAdam, GiB | × | first step non-private, s | DPAdam, s | × "
-           "| step non-private, ms | DPAdam, ms | × |", "|" + "---:|" * 13]
+           "| its CPU time non-private, s | DPAdam, s | × | step non-private, ms | DPAdam, ms "
+           "| × | load average |", "|" + "---:|" * 17]
   for b, rows in results.items():
     n, d = rows["nonprivate"], rows["dpadam"]
     if "error" in n or "error" in d:
-      lines.append(f"| {b} | {n.get('error', '')} | {d.get('error', '')} |" + " |" * 10)
+      lines.append(f"| {b} | {n.get('error', '')} | {d.get('error', '')} |" + " |" * 14)
       continue
     grow_n, grow_d = n["peak_gib"] - n["before_gib"], d["peak_gib"] - d["before_gib"]
     lines.append(f"| {b} | {n['peak_gib']:.2f} | {d['peak_gib']:.2f} | "
                  f"{d['peak_gib'] / n['peak_gib']:.2f} | {grow_n:.2f} | {grow_d:.2f} | "
                  f"{grow_d / grow_n:.2f} | {n['first_s']:.1f} | {d['first_s']:.1f} | "
-                 f"{d['first_s'] / n['first_s']:.2f} | {n['ms']:.0f} | {d['ms']:.0f} | "
-                 f"{d['ms'] / n['ms']:.2f} |")
+                 f"{d['first_s'] / n['first_s']:.2f} | {n['first_cpu_s']:.1f} | "
+                 f"{d['first_cpu_s']:.1f} | {d['first_cpu_s'] / n['first_cpu_s']:.2f} | "
+                 f"{n['ms']:.0f} | {d['ms']:.0f} | {d['ms'] / n['ms']:.2f} | "
+                 f"{n['load']:.1f}, {d['load']:.1f} |")
   return lines
 
 

@@ -129,8 +129,9 @@ def test_query_adds_noise_of_sigma_times_each_scale():
 
 def test_traced_query_draws_fresh_gaussian_noise_in_one_xla_call_and_adds_it():
   """In a traced step on CPU the draws and sums of static shapes are one XLA call (`noised`):
-  N(0, (σ·scale)²) added to the sums, its tail mass at 2σ Gaussian, new draws every call; a
-  tensor of unknown shape takes `normal`. 40,000 draws: the bounds are about 5 standard errors."""
+  N(0, (σ·scale)²) added to the sums, its tail mass at 2σ Gaussian, new draws every call, the
+  tensors' draws uncorrelated; a tensor of unknown shape takes `normal`. 40,000 draws: the bounds
+  are about 5 standard errors."""
   query = noise.GaussianSumQuery(noise.NoiseSource(), 0.5)
   ones = [tf.ones([201, 100]), tf.ones([19999])]
   step = tf.function(lambda: query(ones, [1.0, tf.constant(4.0)]))
@@ -142,6 +143,9 @@ def test_traced_query_draws_fresh_gaussian_noise_in_one_xla_call_and_adds_it():
     assert abs(z.mean()) < 0.03 and abs(z.std() - 1) < 0.02
     assert abs(np.mean(np.abs(z) > 2) - 0.0455) < 0.006
   assert np.mean(first[0].numpy() == second[0].numpy()) < 0.01
+  # The tensors are pieces of one draw: no piece is another's values again.
+  a, b = first[0].numpy().ravel()[:19999], first[1].numpy()
+  assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(b.size)
 
 
 def test_query_event_divides_sigma_by_the_sensitivity_of_the_whole_record():

@@ -104,18 +104,25 @@ class NoiseSource:
     return _normal(shape, dtype, stddev, bits)
 
   def noised(self, tensors: Sequence[tf.Tensor], stddevs: Sequence) -> list[tf.Tensor]:
-    """t + N(0, s²) for each tensor t and its stddev s (a scalar): `normal`'s draws, keyed by
-    one seed per tensor from the generator. On CPU, inside a traced step, tensors of static
-    shapes take the draws as one XLA call (`xla.compiled_on_cpu`; on no data, so that it can run
-    during the backward pass): its Philox and fused elementwise ops drew the 3.27M values of the paper CNN in 44 ms against TF's 90 ms
-    (2026-12-03), the floor of a DP step's time on dense models."""
+    """t + N(0, s²) for each tensor t and its stddev s (a scalar): `normal`'s draws. On CPU,
+    inside a traced step, tensors of static shapes take them as one XLA call
+    (`xla.compiled_on_cpu`; on no data, so that it can run during the backward pass): its Philox
+    and fused elementwise ops drew the 3.27M values of the paper CNN in 44 ms against TF's 90 ms
+    (2026-12-03), the floor of a DP step's time on dense models. That call draws every tensor's
+    values as one standard draw keyed by one seed, which TF cuts into the tensors and scales: one
+    draw per tensor (or the cuts inside the call) made XLA compile 41 samplers on BERT's first
+    step (9.4 s of CPU against 0.5 s, 2026-12-03; the draws as fast: 26 against 24 ms)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+      return []
     if not all(t.shape.is_fully_defined() for t in tensors):
       return [t + self.normal(tf.shape(t), t.dtype, stddev=s) for t, s in zip(tensors, stddevs)]
-    seeds = self.generator.make_seeds(len(tensors))
-    draws = _draws_on_cpu(tuple(tuple(t.shape.as_list()) for t in tensors), seeds,
-                          [tf.cast(s, tf.float32) for s in stddevs])
-    return [t + tf.cast(d, t.dtype) for t, d in zip(tensors, draws)]
+    sizes = [t.shape.num_elements() for t in tensors]
+    rows = -(-sum(sizes) // (2 * _COLUMNS)) * 2  # Even: no reshape after Box–Muller's halves.
+    grid = _draws_on_cpu(rows, self.generator.make_seeds(1)[:, 0])
+    draws = tf.split(tf.reshape(grid, [-1]), sizes + [rows * _COLUMNS - sum(sizes)])
+    return [t + tf.cast(tf.reshape(d, t.shape) * tf.cast(s, tf.float32), t.dtype)
+            for t, d, s in zip(tensors, draws, stddevs)]
 
   def gamma(self, shape, alpha: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
     """Gamma(alpha, 1) draws of the given (full) shape, which `alpha` broadcasts to.
@@ -144,13 +151,17 @@ def _normal(shape, dtype: tf.DType, stddev, bits) -> tf.Tensor:
   return tf.cast(tf.reshape(draws, shape), dtype)
 
 
+_COLUMNS = 1024  # XLA's CPU sampler ran a flat (3.27M,) draw 5× slower than (3198, 1024).
+
+
 @xla.compiled_on_cpu
-def _draws_on_cpu(shapes: tuple, seeds: tf.Tensor, stddevs: list[tf.Tensor]) -> list[tf.Tensor]:
-  """float32 N(0, s²) draws of each static shape, keyed by column i of `seeds` (stateless Philox).
-  They depend on no data, so the step can run them while it computes the sums."""
-  return [_normal(shape, tf.float32, s, functools.partial(
-      tf.random.stateless_uniform, seed=seeds[:, i], minval=None, maxval=None, dtype=tf.uint32,
-      alg="philox")) for i, (shape, s) in enumerate(zip(shapes, stddevs))]
+def _draws_on_cpu(rows: int, seed: tf.Tensor) -> tf.Tensor:
+  """(rows, `_COLUMNS`) float32 N(0, 1) draws keyed by `seed` (stateless Philox). They depend on
+  no data, so the step can run them while it computes the sums."""
+  return _normal([rows, _COLUMNS], tf.float32, None, functools.partial(
+      tf.random.stateless_uniform, seed=seed, minval=None, maxval=None, dtype=tf.uint32,
+      alg="philox"))
+
 
 def _box_muller(w0: tf.Tensor, w1: tf.Tensor, stddev=None) -> tf.Tensor:
   """2n float32 N(0, stddev²) draws, r·cos θ then r·sin θ (joined along the first axis), from
