@@ -89,8 +89,8 @@ def test_lora_factors_take_their_rules(name):
 # positions (GPT-2), segments (BERT), Gemma's transposed 3-D kernels, patches and a class token
 # (ViT), rotary attention with grouped heads (Llama), and LoRA (Llama's adapters); one layer
 # each, the layers of a block being the same at any depth. Each case traces and compiles its
-# model's step (tens of seconds on a loaded 2-core CPU), so the other models of `MODELS`, checked
-# once under XLA (BUILD_NOTES.md, "This round"), are left out of CI.
+# model's step (5–9 s on a quiet 2-core CPU, a minute under load), so the other models of
+# `MODELS`, checked once under XLA (BUILD_NOTES.md, "This round"), are left out of CI.
 XLA = [("gpt2", False), ("bert", False), ("gemma", False), ("vit", False), ("llama", False),
        ("llama", True)]
 
