@@ -28,6 +28,33 @@ def rules(model, x, y) -> list[str]:
   return seen["rules"]
 
 
+def single_example_gradients(model, x, y) -> list[np.ndarray]:
+  """(B, *var.shape) per variable: the gradient of each example's MSE alone, one plain
+  `tf.GradientTape` each (`x` an array or a structure of arrays, `y` the targets)."""
+  out = []
+  for i in range(int(y.shape[0])):
+    example = tf.nest.map_structure(lambda a, i=i: a[i:i + 1], x)
+    with tf.GradientTape() as tape:
+      loss = mse(y[i:i + 1], model(example, training=True))[0]
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    out.append([tf.convert_to_tensor(g).numpy() for g in grads])
+  return [np.stack(g) for g in zip(*out)]
+
+
+def clipped_mean_step(model, per_example: list[np.ndarray], clip: float, lr: float
+                      ) -> list[np.ndarray]:
+  """`model`'s trainable weights after one noiseless DP-SGD step from `per_example` gradients,
+  w - lr · mean_i g_i · min(1, C / ‖g_i‖) (Abadi et al. 2016, Algorithm 1, σ = 0); asserts the
+  clip binds on every example, so that the step tests the clipping."""
+  b = per_example[0].shape[0]
+  norms = np.linalg.norm(np.concatenate([g.reshape(b, -1) for g in per_example], axis=1), axis=1)
+  assert np.all(norms > clip), norms
+  scale = clip / norms
+  return [v.numpy() - lr * np.mean(g * scale.reshape([b] + [1] * (g.ndim - 1)), axis=0)
+          for v, g in zip(model.trainable_variables, per_example)]
+
+
 def gradients_and_rules(model, x, y, num_microbatches=None) -> tuple[list[np.ndarray], list[str]]:
   """Per-microbatch gradients of `model`'s MSE and the rule each variable takes, from one trace
   without the self-check: the rules' results alone, as `per_example_gradients` would return them

@@ -2,7 +2,9 @@
 
 Every model is built from a small config with random weights (nothing is downloaded): 2 layers,
 hidden 16, sequence 8, vocabulary 64, no dropout (the engine and the single-example references
-must draw the same masks: none). `MODELS` maps a name to a builder of (model, inputs).
+must draw the same masks: none). `MODELS` maps a name to a builder of (model, inputs); the
+builders of a causal LM, a text or an image classifier take backbone config overrides
+(`MODELS["gpt2"](num_layers=1)`).
 """
 
 from typing import Callable
@@ -42,19 +44,20 @@ def _images() -> np.ndarray:
 
 def _causal(backbone_cls, task_cls=None, **config) -> Callable:
   task_cls = task_cls or getattr(M, backbone_cls.__name__.replace("Backbone", "CausalLM"))
-  return lambda: (task_cls(backbone=backbone_cls(**config), preprocessor=None), _tokens())
+  return lambda **more: (task_cls(backbone=backbone_cls(**{**config, **more}), preprocessor=None),
+                         _tokens())
 
 
 def _classifier(backbone_cls, segments: bool = True, padding: bool = True, **config) -> Callable:
   task_cls = getattr(M, backbone_cls.__name__.replace("Backbone", "TextClassifier"))
-  return lambda: (task_cls(backbone=backbone_cls(**config), num_classes=3, preprocessor=None,
-                           dropout=0.0), _tokens(segments, padding))
+  return lambda **more: (task_cls(backbone=backbone_cls(**{**config, **more}), num_classes=3,
+                                  preprocessor=None, dropout=0.0), _tokens(segments, padding))
 
 
 def _image_classifier(backbone_cls, **config) -> Callable:
   task_cls = getattr(M, backbone_cls.__name__.replace("Backbone", "ImageClassifier"))
-  return lambda: (task_cls(backbone=backbone_cls(**config), num_classes=3, preprocessor=None),
-                  _images())
+  return lambda **more: (task_cls(backbone=backbone_cls(**{**config, **more}), num_classes=3,
+                                  preprocessor=None), _images())
 
 
 def _pooled(backbone, inputs, pool: str):

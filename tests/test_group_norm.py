@@ -11,7 +11,6 @@ import tensorflow as tf
 
 import engine_helpers
 import tfdp_variants
-from test_model_zoo import _single_example_gradients
 from test_model_zoo import B
 from tfdp_variants import group_norm
 
@@ -116,7 +115,7 @@ def _assert_exact_on_rules(model, x, y) -> list[str]:
   largest gradient entry (a convolution's bias before a normalization of its channel alone has a
   zero gradient, rounding noise on both sides)."""
   ours, rules = engine_helpers.gradients_and_rules(model, x, y)
-  refs = _single_example_gradients(model, x, y)
+  refs = engine_helpers.single_example_gradients(model, x, y)
   scale = max(np.abs(r).max() for r in refs)
   for g, r, v in zip(ours, refs, model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * scale, err_msg=v.name)

@@ -501,18 +501,6 @@ def _build(name):
   return model, x, y, rules
 
 
-def _single_example_gradients(model, x, y):
-  """(B, *var.shape) per variable: the gradient of each example's loss, one tape each."""
-  out = []
-  for i in range(B):
-    with tf.GradientTape() as tape:
-      loss = engine_helpers.mse(y[i:i + 1], model(x[i:i + 1], training=True))[0]
-    grads = tape.gradient(loss, model.trainable_variables,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    out.append([tf.convert_to_tensor(g).numpy() for g in grads])
-  return [np.stack(g) for g in zip(*out)]
-
-
 def _assert_rules(rules, expected):
   assert len(rules) == len(expected)
   assert [r if e is None else e for r, e in zip(rules, expected)] == rules, rules
@@ -523,7 +511,7 @@ def _assert_rules(rules, expected):
 def test_per_example_gradients_match_single_examples(name):
   model, x, y, rules = _build(name)
   ours, taken = engine_helpers.gradients_and_rules(model, x, y)
-  ref = _single_example_gradients(model, x, y)
+  ref = engine_helpers.single_example_gradients(model, x, y)
   assert len(ours) == len(ref)
   for g, r, v in zip(ours, ref, model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
@@ -546,12 +534,8 @@ def test_fit_step_is_mean_of_clipped_single_example_gradients(name, jit_compile)
   `jit_compile`, the step XLA compiles."""
   model, x, y, rules = _build(name)
   clip, lr = 0.05, 1.0
-  ref = _single_example_gradients(model, x, y)
-  norms = np.linalg.norm(np.concatenate([r.reshape(B, -1) for r in ref], axis=1), axis=1)
-  assert np.all(norms > clip)
-  scale = clip / norms
-  want = [w - lr * np.mean(r * scale.reshape([B] + [1] * (r.ndim - 1)), axis=0)
-          for w, r in zip([v.numpy() for v in model.trainable_variables], ref)]
+  want = engine_helpers.clipped_mean_step(
+      model, engine_helpers.single_example_gradients(model, x, y), clip, lr)
   optimizer = tfdp_variants.DPSGD(clip, 0.0, learning_rate=lr)
   model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(reduction="none"),
                 jit_compile=jit_compile)
@@ -611,7 +595,7 @@ def test_convolutions_of_unknown_sizes_take_their_rules(name):
     seen["rules"] = grads.rules
     return grads.materialize()
 
-  for g, r, v in zip(run(x, y), _single_example_gradients(model, x, y),
+  for g, r, v in zip(run(x, y), engine_helpers.single_example_gradients(model, x, y),
                      model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
   _assert_rules(seen["rules"], want)
@@ -635,6 +619,7 @@ def test_step_closing_over_its_batch_takes_the_rules(captured):
     seen["rules"] = grads.rules
     return grads.materialize()
 
-  for g, r, v in zip(run(), _single_example_gradients(model, x, y), model.trainable_variables):
+  for g, r, v in zip(run(), engine_helpers.single_example_gradients(model, x, y),
+                     model.trainable_variables):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=v.name)
   _assert_rules(seen["rules"], DENSE * 2)
