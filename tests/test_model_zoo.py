@@ -154,6 +154,22 @@ class _TiedTranspose(L.Layer):
     return tf.matmul(tf.tanh(tf.matmul(x, self.w)), tf.transpose(self.w))
 
 
+class _RepeatedProbe(L.Layer):
+  """SigLIP's pooling head: a learned probe repeated over the batch (`keras.ops.repeat` by the
+  batch size, a constant where the batch is static), projected, attends over each example's
+  rows."""
+
+  def build(self, input_shape):
+    self.probe = self.add_weight(name="probe", shape=(1, 1, input_shape[-1]),
+                                 initializer="random_normal")
+    self.query = L.Dense(input_shape[-1])
+
+  def call(self, x):
+    n = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+    q = self.query(tf.repeat(self.probe, n, axis=0))
+    return tf.einsum("bqk,bkd->bqd", tf.nn.softmax(tf.einsum("bqd,bkd->bqk", q, x)), x)
+
+
 class _TiedEmbedding(L.Layer):
   """Ids → rows of a table E → Dense → logits h·Eᵀ: one variable read by a gather and by a
   product of its transpose (tied input and output embeddings)."""
@@ -430,6 +446,8 @@ ZOO: dict[str, tuple[Callable[[], tf.keras.Model], tf.Tensor, Optional[list]]] =
         "abc,dec->abde", (5, 2, 3)), L.Flatten(), L.Dense(2)), _floats(B, 5, 4), None),
     "tied_transpose": (lambda: _seq((4,), _TiedTranspose(), L.Dense(2)), _floats(B, 4),
                        ["outer", *DENSE]),
+    "repeated_probe": (lambda: _seq((3, 4), _RepeatedProbe(), L.Flatten(), L.Dense(2)),
+                       _floats(B, 3, 4), ["rowsum", *DENSE * 2]),
     # Materialized from both rules and summed (no one factor holds a gather and an outer).
     "tied_embedding": (lambda: _seq((4,), _TiedEmbedding(), dtype="int32"), _ints(B, 4, high=7),
                        ["gather+outer", *DENSE]),
@@ -485,7 +503,7 @@ FIT = ["conv2d_dense", "dense_sequence", "embedding_pooling", "shared_dense", "t
        "conv2d_dilated", "conv3d_dilated", "gru_no_bias_backwards", "gru_reset_before",
        "conv_lstm2d_same_sequences", "bidirectional_rnn_of_cells", "conv2d_grouped_dilated",
        "conv3d_channels_first_grouped", "conv2d_transpose_channels_first",
-       "einsum_dense_transposed_kernel", "tied_transpose", "conv_mixer",
+       "einsum_dense_transposed_kernel", "tied_transpose", "conv_mixer", "repeated_probe",
        *(["dense_lora"] if "dense_lora" in ZOO else [])]
 # One model of each of bench/step_time.py's six families (MLP, text, paper CNN, Transformer, LSTM,
 # GroupNorm convnet), also stepped under XLA (`jit_compile=True`); on the Keras 2 legs the text
@@ -522,7 +540,7 @@ def test_per_example_gradients_match_single_examples(name):
 # Each model's per-example gradients are checked on every stack above; the step fit builds from them
 # is model-independent: the Keras 2 legs run it on one model of each kind of layer (CI time).
 _FIT_KERAS2 = {"conv2d_dense", "embedding_pooling", "transformer_block", "subclassed", "group_norm",
-               "lstm", "tied_transpose"}
+               "lstm", "tied_transpose", "repeated_probe"}
 
 
 @pytest.mark.parametrize("name,jit_compile", [

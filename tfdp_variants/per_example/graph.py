@@ -292,6 +292,25 @@ def row_gradients(losses: tf.Tensor, i: tf.Tensor,
   return tf.gradients(losses, xs, grad_ys=seed)
 
 
+def static_rows(graph: tf.Graph) -> Optional[int]:
+  """The number of rows n ≥ 2 that every tensor through which data enters `graph` holds on axis 0
+  (`_data_entries`: its FuncGraph arguments and data sources' outputs, scalars aside; at least
+  one), where all are static and agree; None otherwise. Keras traces a static batch for arrays
+  whose size the batch size divides; its shape computations are then constants (n, not
+  `Shape(x)[0]`)."""
+  rows = set()
+  for op in graph.get_operations():
+    found = _data_entries(op)
+    if found is None:
+      return None
+    for t in found:
+      if t.dtype == tf.variant or t.shape.rank is None:
+        return None
+      if t.shape.rank:
+        rows.add(t.shape[0])
+  return rows.pop() if len(rows) == 1 and None not in rows and min(rows) >= 2 else None
+
+
 def one_example(loss: tf.Tensor) -> bool:
   """Whether the step of `loss` provably holds one example: `loss` has one static row, and every
   tensor through which data enters the ops it depends on (`_data_entries`; at least one) has one
