@@ -133,10 +133,11 @@ def refuse_in_loss(loss: tf.Tensor, an: trace.Analysis = trace.DEFAULT) -> None:
   see mixing on integer ids or behind `stop_gradient`. A loss that depends on no example
   is analysed again with the captured tensors and constants of B rows (and fixed windows of B
   rows of them) taken for the batch, and refused if it still depends on none; else the rules'
-  proofs in its graph take them for the batch too (`trace.data_from_constants`). In a step of one
-  example (`trace.one_example`) only values that variables carry from earlier steps mix
-  examples: a reshape that drops the batch axis of size 1 leaves no trace of it, so ops after it
-  may look mixing.
+  proofs in its graph take them for the batch too (`trace.data_from_constants`); so with those of
+  n rows, a loss not proven per example in a step of a static batch of n (`_static_batch`). In a
+  step of one example (`trace.one_example`) only values that variables carry from earlier steps
+  mix examples: a reshape that drops the batch axis of size 1 leaves no trace of it, so ops after
+  it may look mixing.
   """
   refuse_batch_statistics(trace.ancestors(loss))
   info, constants = an.loss_info(loss), None
@@ -146,6 +147,8 @@ def refuse_in_loss(loss: tf.Tensor, an: trace.Analysis = trace.DEFAULT) -> None:
     if info == B.NO_BATCH:
       raise ValueError(NO_DATA.format(loss.shape[0] or "B"))
     trace.data_from_constants(loss.graph, constants)  # The rules' proofs likewise.
+  elif not isinstance(info, B.Mixed) and not B.per_example_rows(info):
+    info, constants = _static_batch(loss, info, an)
   if an.carried(info):
     raise ValueError(CARRIED.format(info.describe()))
   # One example mixes with no other in its step; only values carried from earlier steps count.
@@ -155,6 +158,21 @@ def refuse_in_loss(loss: tf.Tensor, an: trace.Analysis = trace.DEFAULT) -> None:
     if not B.per_example_rows(info):
       raise ValueError(UNKNOWN.format((info is None and an.lost_at(loss, constants))
                                       or f"the loss {loss.name} ({info})"))
+
+
+def _static_batch(loss: tf.Tensor, info: B.Info, an: trace.Analysis
+                  ) -> tuple[B.Info, Optional[int]]:
+  """A loss not proven per example in a step of a static batch of n rows (`trace.static_rows`),
+  analysed again with constants of n rows taken for the batch (`_expanded_to_batch`: SigLIP's
+  probe, repeated by Keras' constant `ops.shape(x)[0]`): its info and n if that proves it (the
+  rules' proofs then take them too), else `info` and None. Only where the first analysis fails:
+  a constant may equal n by chance (a head count), where the first proof holds as it is."""
+  n = trace.static_rows(loss.graph)
+  again = None if n is None else an.loss_info(loss, n)
+  if again is None or not B.per_example_rows(again):
+    return info, None
+  trace.data_from_constants(loss.graph, n)
+  return again, n
 
 
 def refuse_in_backward(graph: tf.Graph) -> None:

@@ -47,6 +47,7 @@ from tfdp_variants.per_example.graph import ancestors  # pylint: disable=unused-
 from tfdp_variants.per_example.graph import DATA_SOURCES  # pylint: disable=unused-import
 from tfdp_variants.per_example.graph import nested_ops  # pylint: disable=unused-import
 from tfdp_variants.per_example.graph import one_example  # pylint: disable=unused-import
+from tfdp_variants.per_example.graph import static_rows  # pylint: disable=unused-import
 
 
 # How an analysis runs: `deep` follows If/While bodies and TensorLists, `assigns` (a number of

@@ -244,10 +244,10 @@ def _tile(op: tf.Operation, ins: list[B.Info]) -> B.Info:
 def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[B.Batch]:
   """A Tile or BroadcastTo of a tensor of no example, of size 1 on axis k, to a multiple of the
   batch size there (`ops/sizes.py`: `ops.repeat` of KerasHub DeBERTa's relative-position table
-  over the batch; in a step of a static batch of n rows, `G.static_rows`, a constant multiple of
-  n, on the one such axis: SigLIP's pooling probe): Batch(k), copy b taken as example b's (it
-  depends on no example, so on none but b's), as many entries an example as the size proves;
-  None otherwise."""
+  over the batch; where the batch's constants are data, `trace.data_from_constants`, a constant
+  multiple of its n rows on the one such axis: SigLIP's pooling probe on a static batch):
+  Batch(k), copy b taken as example b's (it depends on no example, so on none but b's), as many
+  entries an example as the size proves; None otherwise."""
   x, rank = op.inputs[0], G.rank(op.outputs[0])
   if G.rank(x) is None or rank is None:
     return None
@@ -256,7 +256,7 @@ def _expanded_to_batch(op: tf.Operation, memo: dict) -> Optional[B.Batch]:
   sizes = [S.entry(op.inputs[1], k, (), memo) for k in range(rank)]
   found = [(k, s.multiple) for k, s in enumerate(sizes) if s.multiple is not None]
   if not found:
-    n = memo["mode"][2] or G.static_rows(op.graph)
+    n = memo["mode"][2]
     found = [(k, sizes[k].value // n) for k in ones
              if n and sizes[k].value and sizes[k].value % n == 0]
   if len(found) != 1:
