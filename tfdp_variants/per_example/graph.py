@@ -292,14 +292,12 @@ def row_gradients(losses: tf.Tensor, i: tf.Tensor,
   return tf.gradients(losses, xs, grad_ys=seed)
 
 
-def static_rows(graph: tf.Graph) -> Optional[int]:
-  """The number of rows n ≥ 2 that every tensor through which data enters `graph` holds on axis 0
-  (`_data_entries`: its FuncGraph arguments and data sources' outputs, scalars aside; at least
-  one), where all are static and agree; None otherwise. Keras traces a static batch for arrays
-  whose size the batch size divides; its shape computations are then constants (n, not
-  `Shape(x)[0]`)."""
+def _entry_rows(loss: tf.Tensor) -> Optional[set]:
+  """The static sizes of axis 0 of every tensor through which data enters the ops `loss` depends
+  on (`_data_entries`; scalars, a step counter or a flag, hold no rows); None if one is not a
+  tensor of known rank (an iterator, a ragged or sparse argument's encoding, a loop's input)."""
   rows = set()
-  for op in graph.get_operations():
+  for op in ancestors(loss):
     found = _data_entries(op)
     if found is None:
       return None
@@ -308,26 +306,22 @@ def static_rows(graph: tf.Graph) -> Optional[int]:
         return None
       if t.shape.rank:
         rows.add(t.shape[0])
-  return rows.pop() if len(rows) == 1 and None not in rows and min(rows) >= 2 else None
+  return rows
+
+
+def static_rows(loss: tf.Tensor) -> Optional[int]:
+  """The static number of rows n ≥ 2 that every tensor through which data enters the step of
+  `loss` holds (`_entry_rows`, at least one), else None. Keras traces a static batch for arrays
+  whose size the batch size divides; its shape computations are then constants (n, not
+  `Shape(x)[0]`)."""
+  rows = _entry_rows(loss)
+  return rows.pop() if rows and len(rows) == 1 and None not in rows and min(rows) >= 2 else None
 
 
 def one_example(loss: tf.Tensor) -> bool:
   """Whether the step of `loss` provably holds one example: `loss` has one static row, and every
-  tensor through which data enters the ops it depends on (`_data_entries`; at least one) has one
-  static row too, none of them a variant (an iterator, a ragged or sparse argument's encoding).
-  Keras traces such a step for `batch_size=1` or a dataset batched by 1 with `drop_remainder`."""
-  if loss.shape.rank is None or loss.shape.rank < 1 or loss.shape[0] != 1:
-    return False
-  entries = 0
-  for op in ancestors(loss):
-    found = _data_entries(op)
-    if found is None:
-      return False
-    for t in found:
-      if t.dtype == tf.variant or t.shape.rank is None:
-        return False
-      if t.shape.rank:  # Scalars (a step counter, a flag) hold no rows.
-        if t.shape[0] != 1:
-          return False
-        entries += 1
-  return entries > 0
+  tensor through which data enters the ops it depends on (`_entry_rows`; at least one) has one
+  static row too. Keras traces such a step for `batch_size=1` or a dataset batched by 1 with
+  `drop_remainder`."""
+  return (loss.shape.rank is not None and loss.shape.rank >= 1 and loss.shape[0] == 1
+          and _entry_rows(loss) == {1})

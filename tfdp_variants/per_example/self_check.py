@@ -167,7 +167,7 @@ def _static_batch(loss: tf.Tensor, info: B.Info, an: trace.Analysis
   probe, repeated by Keras' constant `ops.shape(x)[0]`): its info and n if that proves it (the
   rules' proofs then take them too), else `info` and None. Only where the first analysis fails:
   a constant may equal n by chance (a head count), where the first proof holds as it is."""
-  n = trace.static_rows(loss.graph)
+  n = trace.static_rows(loss)
   again = None if n is None else an.loss_info(loss, n)
   if again is None or not B.per_example_rows(again):
     return info, None
