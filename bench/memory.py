@@ -4,7 +4,8 @@ item 4).
 Models: `bench/step_time.py`'s GroupNorm convnet (`groupnorm_cnn`) and `bench/hub_models.py`'s
 BERT classifier (`bert`, at `--hub_size`: issue 40's 4 layers, hidden 256, intermediate 1024,
 sequence 128 by default; "small": 2 layers, hidden 128, intermediate 256, sequence 64). Rows:
-step_time's non-private Adam and DPAdam (one example per microbatch).
+step_time's non-private Adam and DPAdam (one example per microbatch; `--mem_rows` adds others, e.g.
+`dpadam_nocheck`, DPAdam with `self_check=False`).
 
 Each (model, batch, row) runs in its own process, the non-private row first and DPAdam right after
 it (the two rows of a batch size meet the same load): it builds the model, records its resident
@@ -16,7 +17,7 @@ memory before the first step (what the step and its graphs add to the built mode
 ~1 GiB aside).
 
   python bench/memory.py [--mem_models=groupnorm_cnn,bert] [--batches=32,128,512] [--mem_steps=2]
-      [--hub_size=issue40|small]
+      [--hub_size=issue40|small] [--mem_rows=dpadam,dpadam_nocheck]
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ _MODELS = flags.DEFINE_list("mem_models", ["groupnorm_cnn", "bert"],
 _BATCHES = flags.DEFINE_list("batches", ["32", "128", "512"], "Batch sizes.")
 _STEPS_MEM = flags.DEFINE_integer("mem_steps", 2, "Steps after the first.")
 _HUB_SIZE = flags.DEFINE_enum("hub_size", "issue40", ["issue40", "small"], "BERT's size.")
+_ROWS = flags.DEFINE_list("mem_rows", ["dpadam"], "step_time rows compared with the non-private "
+                          "one: dpadam, dpadam_nocheck (self_check=False), ...")
 _CHILD = flags.DEFINE_string("child", None, "model,row,batch: run one configuration, print JSON.")
 
 SIZES = {"issue40": Size(4, 256, 1024, 128, 1000), "small": Size(2, 128, 256, 64, 1000)}
-ROWS = ("nonprivate", "dpadam")
-
-
 def _rss_gib() -> float:
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
@@ -96,23 +96,25 @@ def launch(model: str, row: str, b: int) -> dict:
 def table(model: str, results: dict[int, dict[str, dict]]) -> list[str]:
   size = f" ({SIZES[_HUB_SIZE.value]})" if model in HUB_MODELS else ""
   lines = [f"### {model}{size}", "",
-           "| batch | peak RSS non-private, GiB | DPAdam, GiB | × | peak less the built model: "
-           "non-private, GiB | DPAdam, GiB | × | first step non-private, s | DPAdam, s | × "
-           "| its CPU time non-private, s | DPAdam, s | × | step non-private, ms | DPAdam, ms "
-           "| × | load average |", "|" + "---:|" * 17]
+           "| batch | row | peak RSS non-private, GiB | DP, GiB | × | peak less the built model: "
+           "non-private, GiB | DP, GiB | × | first step non-private, s | DP, s | × "
+           "| its CPU time non-private, s | DP, s | × | step non-private, ms | DP, ms "
+           "| × | load average |", "|---:|---|" + "---:|" * 16]
   for b, rows in results.items():
-    n, d = rows["nonprivate"], rows["dpadam"]
-    if "error" in n or "error" in d:
-      lines.append(f"| {b} | {n.get('error', '')} | {d.get('error', '')} |" + " |" * 14)
-      continue
-    grow_n, grow_d = n["peak_gib"] - n["before_gib"], d["peak_gib"] - d["before_gib"]
-    lines.append(f"| {b} | {n['peak_gib']:.2f} | {d['peak_gib']:.2f} | "
-                 f"{d['peak_gib'] / n['peak_gib']:.2f} | {grow_n:.2f} | {grow_d:.2f} | "
-                 f"{grow_d / grow_n:.2f} | {n['first_s']:.1f} | {d['first_s']:.1f} | "
-                 f"{d['first_s'] / n['first_s']:.2f} | {n['first_cpu_s']:.1f} | "
-                 f"{d['first_cpu_s']:.1f} | {d['first_cpu_s'] / n['first_cpu_s']:.2f} | "
-                 f"{n['ms']:.0f} | {d['ms']:.0f} | {d['ms'] / n['ms']:.2f} | "
-                 f"{n['load']:.1f}, {d['load']:.1f} |")
+    n = rows["nonprivate"]
+    for row in _ROWS.value:
+      d = rows[row]
+      if "error" in n or "error" in d:
+        lines.append(f"| {b} | {row} | {n.get('error', '')} | {d.get('error', '')} |" + " |" * 14)
+        continue
+      grow_n, grow_d = n["peak_gib"] - n["before_gib"], d["peak_gib"] - d["before_gib"]
+      lines.append(f"| {b} | {row} | {n['peak_gib']:.2f} | {d['peak_gib']:.2f} | "
+                   f"{d['peak_gib'] / n['peak_gib']:.2f} | {grow_n:.2f} | {grow_d:.2f} | "
+                   f"{grow_d / grow_n:.2f} | {n['first_s']:.1f} | {d['first_s']:.1f} | "
+                   f"{d['first_s'] / n['first_s']:.2f} | {n['first_cpu_s']:.1f} | "
+                   f"{d['first_cpu_s']:.1f} | {d['first_cpu_s'] / n['first_cpu_s']:.2f} | "
+                   f"{n['ms']:.0f} | {d['ms']:.0f} | {d['ms'] / n['ms']:.2f} | "
+                   f"{n['load']:.1f}, {d['load']:.1f} |")
   return lines
 
 
@@ -128,7 +130,7 @@ def main(argv):
   for model in _MODELS.value:
     results = {}
     for b in map(int, _BATCHES.value):
-      results[b] = {row: launch(model, row, b) for row in ROWS}
+      results[b] = {row: launch(model, row, b) for row in ("nonprivate", *_ROWS.value)}
       print(f"  {model} / batch {b}: {results[b]}", flush=True)
     out += ["", *table(model, results)]
   print("\n".join(out))

@@ -103,6 +103,25 @@ def test_fit_check_leaves_the_random_state_as_it_found_it(case):
 
 
 @pytest.mark.keras3_only
+@pytest.mark.parametrize("self_check", [True, False])
+def test_fit_traces_its_first_step_once(monkeypatch, self_check):
+  """The model and optimizer are built on the synthetic batch before the first step, with the
+  self-check off too: Keras 3 would otherwise trace the step twice, the first time to create the
+  optimizer's variables (BERT at batch 128: a first step of 19.6 against 14.0 s)."""
+  from tfdp_variants import per_example  # pylint: disable=import-outside-toplevel
+  traces = []
+  compute = per_example.compute
+  monkeypatch.setattr(per_example, "compute", lambda *a, **k: traces.append(1) or compute(*a, **k))
+  model = tf.keras.Sequential([L.Input((3,)), L.Dense(2)])
+  model.compile(optimizer=tfdp_variants.DPAdam(l2_norm_clip=C, noise_multiplier=0.0,
+                                               learning_rate=LR, self_check=self_check),
+                loss=_LOSS)
+  x, y = np.ones((B, 3), "float32"), np.ones((B, 2), "float32")
+  model.fit(x, y, batch_size=B, epochs=2, verbose=0)
+  assert len(traces) == 1 + self_check  # The check's own trace (`preflight`), then the step's.
+
+
+@pytest.mark.keras3_only
 def test_fit_warns_where_an_empty_batch_meets_onednn_convolutions(monkeypatch):
   """TF's oneDNN convolution returns its input for an empty batch (a crash that would reveal an
   empty Poisson sample): fit over batches of unknown size warns, naming jit_compile."""
